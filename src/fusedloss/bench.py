@@ -1,0 +1,286 @@
+"""``python -m fusedloss bench``: check against float64, then time fusedloss,
+eager PyTorch and ``torch.compile`` side by side on the same inputs.
+
+Effective bandwidth counts the bytes a loss must move, for every system:
+- forward, mean:         read input + read target
+- forward + backward:    read input + read target + write grad_input
+Copy bandwidth (read + write of a large device-to-device copy) is measured in
+the same run and is the ceiling the percentages refer to.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import fusedloss
+
+from . import build, formulas
+
+SEED_SHAPE = (32768, 32768)
+SWEEP_EXPONENTS = range(12, 31)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A loss as fusedloss computes it, next to the eager PyTorch code it replaces."""
+
+    name: str
+    loss: str
+    param: float
+    fused: Callable[[Tensor, Tensor], Tensor]
+    eager: Callable[[Tensor, Tensor], Tensor]
+
+
+def _seed_mse(p: Tensor, t: Tensor) -> Tensor:
+    return torch.mean((p - t) ** 2)
+
+
+CASES = (
+    Case("mse  (torch.mean((p-t)**2))", "mse", 0.0, fusedloss.mse_loss, _seed_mse),
+    Case("smooth_l1 (F.smooth_l1_loss)", "smooth_l1", 1.0, fusedloss.smooth_l1_loss, F.smooth_l1_loss),
+    Case("l1   (F.l1_loss)", "l1", 0.0, fusedloss.l1_loss, F.l1_loss),
+    Case("huber (F.huber_loss)", "huber", 1.0, fusedloss.huber_loss, F.huber_loss),
+)
+
+
+def seed_inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[Tensor, Tensor]:
+    """KernelBench's inputs: ``torch.rand(...) * scale`` and ``torch.rand(...)``."""
+    scale = torch.rand((), device=device)
+    return (torch.rand(shape, device=device) * scale).to(dtype), torch.rand(shape, device=device).to(dtype)
+
+
+def float64_loss(p: Tensor, t: Tensor, loss: str, param: float, chunk: int = 1 << 26) -> float:
+    """The mean loss in float64, a chunk at a time to bound the memory."""
+    flat_p, flat_t = p.reshape(-1), t.reshape(-1)
+    total = sum(
+        formulas.torch_loss(flat_p[i : i + chunk].double(), flat_t[i : i + chunk].double(), loss, param, "sum").item()
+        for i in range(0, flat_p.numel(), chunk)
+    )
+    return total / p.numel()
+
+
+def relative_error(value: Tensor, reference: float) -> float:
+    return abs(value.double().item() - reference) / abs(reference)
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
+    """Median over `reps` calls of the device time between events around one call."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
+    """Read + write bandwidth of a device-to-device copy, in TB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / ms / 1e9
+
+
+def peak_memory_gib(step: Callable[[], object]) -> float:
+    """Peak memory a step allocates above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def _progress(iterable, total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a convenience; the numbers don't need it
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, leave=False)
+
+
+@dataclass
+class Row:
+    case: str
+    dtype: str
+    mode: str
+    bytes_moved: int
+    fused_ms: float
+    eager_ms: float
+    compile_ms: float
+    copy_tbs: float
+    fused_err: float = math.nan
+    eager_err: float = math.nan
+    fused_peak_gib: float = math.nan
+    eager_peak_gib: float = math.nan
+    compile_peak_gib: float = math.nan
+
+    @property
+    def fused_tbs(self) -> float:
+        return self.bytes_moved / self.fused_ms / 1e9
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bench_forward(case: Case, dtype: torch.dtype, shape: tuple[int, ...], copy_tbs: float) -> Row:
+    p, t = seed_inputs(shape, dtype, "cuda")
+    reference = float64_loss(p, t, case.loss, case.param)
+    fused_err = relative_error(case.fused(p, t), reference)
+    eager_err = relative_error(case.eager(p, t), reference)
+    compiled = torch.compile(case.eager)
+    with torch.no_grad():
+        fused_ms = time_ms(lambda: case.fused(p, t))
+        eager_ms = time_ms(lambda: case.eager(p, t))
+        compile_ms = time_ms(lambda: compiled(p, t))
+    nbytes = p.numel() * (p.element_size() + t.element_size())
+    return Row(case.name, _dtype_name(dtype), "forward", nbytes, fused_ms, eager_ms, compile_ms, copy_tbs,
+               fused_err, eager_err)
+
+
+def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], copy_tbs: float,
+                        grad_output: float) -> Row:
+    """Forward + backward for d loss / d input; `grad_output` != 1 exercises the scaling pass."""
+    p, t = seed_inputs(shape, dtype, "cuda")
+    p.requires_grad_(True)
+    compiled = torch.compile(case.eager)
+
+    def step(fn):
+        def run():
+            p.grad = None
+            loss = fn(p, t)
+            (loss if grad_output == 1.0 else loss * grad_output).backward()
+        return run
+
+    steps = {"fused": step(case.fused), "eager": step(case.eager), "compile": step(compiled)}
+    times = {name: time_ms(run, reps=10) for name, run in steps.items()}
+    peaks = {name: peak_memory_gib(run) for name, run in steps.items()}
+    p.grad = None
+    nbytes = p.numel() * (2 * p.element_size() + t.element_size())
+    mode = "fwd+bwd" if grad_output == 1.0 else f"fwd+bwd, grad_output={grad_output:g}"
+    return Row(case.name, _dtype_name(dtype), mode, nbytes, times["fused"], times["eager"], times["compile"],
+               copy_tbs, fused_peak_gib=peaks["fused"], eager_peak_gib=peaks["eager"],
+               compile_peak_gib=peaks["compile"])
+
+
+def sweep(out_dir: Path) -> list[tuple[int, float, float, float]]:
+    """MSE fp32 time against N, 2^12 .. 2^30, for the three systems; CSV + PNG."""
+    results = []
+    for exponent in _progress(SWEEP_EXPONENTS, len(SWEEP_EXPONENTS), "size sweep"):
+        n = 2**exponent
+        p, t = seed_inputs((n,), torch.float32, "cuda")
+        torch._dynamo.reset()
+        compiled = torch.compile(_seed_mse, dynamic=False)
+        reps = 200 if exponent < 24 else 20
+        with torch.no_grad():
+            results.append((
+                n,
+                time_ms(lambda: fusedloss.mse_loss(p, t), warmup=10, reps=reps),
+                time_ms(lambda: _seed_mse(p, t), warmup=10, reps=reps),
+                time_ms(lambda: compiled(p, t), warmup=10, reps=reps),
+            ))
+        del p, t
+    with open(out_dir / "sweep_mse_fp32.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["n", "fusedloss_ms", "eager_ms", "compile_ms"])
+        writer.writerows(results)
+    _plot_sweep(results, out_dir / "sweep_mse_fp32.png")
+    return results
+
+
+def _plot_sweep(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r[0] for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for column, label in ((1, "fusedloss"), (2, "eager torch.mean((p-t)**2)"), (3, "torch.compile")):
+        ax.plot(n, [r[column] for r in results], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N (float32 elements per input)")
+    ax.set_ylabel("time per call (ms, median)")
+    ax.set_title(f"MSE mean, {torch.cuda.get_device_name()}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _format_rows(rows: list[Row]) -> str:
+    header = (f"{'case':30} {'dtype':8} {'mode':26} {'fused ms':>9} {'TB/s':>6} {'%copy':>6} "
+              f"{'eager ms':>9} {'compile ms':>10} {'x eager':>8} {'x compile':>9} {'rel err':>9} "
+              f"{'eager err':>9} {'peak GiB f/e/c':>16}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        peaks = "" if math.isnan(r.fused_peak_gib) else \
+            f"{r.fused_peak_gib:.1f}/{r.eager_peak_gib:.1f}/{r.compile_peak_gib:.1f}"
+        lines.append(
+            f"{r.case:30} {r.dtype:8} {r.mode:26} {r.fused_ms:9.3f} {r.fused_tbs:6.2f} "
+            f"{100 * r.fused_tbs / r.copy_tbs:5.1f}% {r.eager_ms:9.3f} {r.compile_ms:10.3f} "
+            f"{r.eager_ms / r.fused_ms:8.2f} {r.compile_ms / r.fused_ms:9.2f} {r.fused_err:9.1e} "
+            f"{r.eager_err:9.1e} {peaks:>16}")
+    return "\n".join(lines)
+
+
+def cpu_demo() -> None:
+    """Without a GPU: fusedloss (which hands CPU tensors to torch.nn.functional) against float64."""
+    torch.manual_seed(0)
+    p = torch.randn(1000, 37) * 3
+    t = torch.randn(1000, 37)
+    print(f"{'loss':10} {'fusedloss':>12} {'float64':>12} {'rel err':>9}")
+    for case in CASES:
+        value = case.fused(p, t)
+        reference = float64_loss(p, t, case.loss, case.param)
+        print(f"{case.loss:10} {value.item():12.6f} {reference:12.6f} {relative_error(value, reference):9.1e}")
+
+
+def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE, with_sweep: bool = True,
+        with_training: bool = True) -> int:
+    if not torch.cuda.is_available():
+        print("fusedloss bench: no CUDA device; running a small CPU correctness demo instead.")
+        cpu_demo()
+        return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    build.load()
+    copy_tbs = copy_bandwidth_tbs()
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
+          f"copy bandwidth {copy_tbs:.2f} TB/s (read + write); shape {shape}")
+
+    jobs = [(bench_forward, case, dtype, ()) for dtype in (torch.float32, torch.bfloat16) for case in CASES]
+    if with_training:
+        jobs += [(bench_training_step, case, dtype, (grad_output,))
+                 for grad_output in (1.0, 0.5) for dtype in (torch.float32, torch.bfloat16) for case in CASES]
+    rows = []
+    for bench, case, dtype, extra in _progress(jobs, len(jobs), "cases"):
+        rows.append(bench(case, dtype, shape, copy_tbs, *extra))
+        torch.cuda.empty_cache()
+    table = _format_rows(rows)
+    (out_dir / "bench.txt").write_text(f"{device}; torch {torch.__version__}\n{table}\n")
+    if with_sweep:
+        results = sweep(out_dir)
+        lines = [f"{'N':>12} {'fused ms':>9} {'eager ms':>9} {'compile ms':>10} {'x eager':>8}"]
+        lines += [f"{n:12d} {f:9.4f} {e:9.4f} {c:10.4f} {e / f:8.2f}" for n, f, e, c in results]
+        print("\n".join(lines))
+        print(f"sweep written to {out_dir / 'sweep_mse_fp32.csv'} and {out_dir / 'sweep_mse_fp32.png'}")
+    print(table)
+    return 0

@@ -1,0 +1,168 @@
+// CUDA kernels for the fusedloss:: operators, whose schemas, fake kernels and
+// autograd are defined in Python (fusedloss/ops.py). This file turns tensors
+// into a LossProblem, allocates outputs, and launches on the current stream of
+// the tensors' own device.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "launch.h"
+
+namespace fusedloss {
+namespace {
+
+LossKind parse_loss(c10::string_view name) {
+  if (name == "mse") return LossKind::kMse;
+  if (name == "l1") return LossKind::kL1;
+  if (name == "smooth_l1") return LossKind::kSmoothL1;
+  if (name == "huber") return LossKind::kHuber;
+  TORCH_CHECK(false, "fusedloss: unknown loss '", name, "'");
+}
+
+bool parse_mean(c10::string_view reduction) {
+  TORCH_CHECK(reduction == "mean" || reduction == "sum",
+              "fusedloss: reduction must be 'mean' or 'sum', got '", reduction, "'");
+  return reduction == "mean";
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default: TORCH_CHECK(false, "fusedloss: unsupported dtype ", t);
+  }
+}
+
+int current_device_sm_count() {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return count;
+}
+
+// The operands as the kernels take them: broadcast to one shape, contiguous
+// (the slower path copies views that are not), and both fp64 when either is.
+struct Operands {
+  at::Tensor input, target;
+  at::ScalarType loss_dtype;    // what PyTorch returns
+  at::ScalarType kernel_dtype;  // what the kernel writes for the loss
+  LossProblem problem;
+};
+
+Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param) {
+  TORCH_CHECK(input.is_cuda() && input.device() == target.device(),
+              "fusedloss: input and target must be on the same CUDA device, got ", input.device(),
+              " and ", target.device());
+  const LossKind kind = parse_loss(loss);
+  TORCH_CHECK(kind != LossKind::kSmoothL1 || param > 0, "fusedloss: smooth_l1 needs beta > 0, got ", param);
+  TORCH_CHECK(kind != LossKind::kHuber || param > 0, "fusedloss: huber needs delta > 0, got ", param);
+  (void)to_dtype(input.scalar_type());  // rejects dtypes the kernels don't take
+  (void)to_dtype(target.scalar_type());
+  const at::ScalarType common = at::promote_types(input.scalar_type(), target.scalar_type());
+
+  Operands ops;
+  ops.loss_dtype = kind == LossKind::kHuber ? input.scalar_type() : common;
+  const auto shape = at::infer_size(input.sizes(), target.sizes());
+  ops.input = input.to(common == at::kDouble ? at::kDouble : input.scalar_type()).expand(shape).contiguous();
+  ops.target = target.to(common == at::kDouble ? at::kDouble : target.scalar_type()).expand(shape).contiguous();
+  ops.kernel_dtype = kind == LossKind::kHuber ? ops.input.scalar_type() : common;
+  ops.problem = LossProblem{kind,
+                            param,
+                            ops.input.data_ptr(),
+                            to_dtype(ops.input.scalar_type()),
+                            ops.target.data_ptr(),
+                            to_dtype(ops.target.scalar_type()),
+                            ops.input.numel(),
+                            current_device_sm_count()};
+  return ops;
+}
+
+// A gradient buffer in the operand's broadcast shape, or an empty tensor when
+// that gradient is not wanted.
+at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
+  return wanted ? at::empty_like(like, at::MemoryFormat::Contiguous) : at::empty({0}, like.options());
+}
+
+void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
+                          double param) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  Operands ops = prepare(input, target, loss, param);
+  at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.kernel_dtype));
+  C10_CUDA_CHECK(launch_pointwise_loss(ops.problem, out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  return out.to(ops.loss_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
+                                                           const at::Tensor& input,
+                                                           const at::Tensor& target,
+                                                           c10::string_view loss, double param,
+                                                           std::array<bool, 2> output_mask) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  Operands ops = prepare(input, target, loss, param);
+  TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
+              ", expected ", input.device());
+  // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
+  at::Tensor go = grad_output.to(ops.kernel_dtype).expand(ops.input.sizes());
+  const bool go_is_scalar = go.numel() > 0 && std::all_of(go.strides().begin(), go.strides().end(),
+                                                          [](int64_t s) { return s == 0; });
+  go = go_is_scalar ? go.as_strided({1}, {1}) : go.contiguous();
+
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
+  C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar,
+                                                data_or_null(grad_input), data_or_null(grad_target),
+                                                c10::cuda::getCurrentCUDAStream()));
+  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
+                                                            c10::string_view loss, double param,
+                                                            c10::string_view reduction,
+                                                            std::array<bool, 2> output_mask) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool mean = parse_mean(reduction);
+  Operands ops = prepare(input, target, loss, param);
+  const int64_t n = ops.problem.numel;
+  const int num_blocks = reduced_loss_num_blocks(ops.problem);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+
+  at::Tensor block_sums = at::empty({std::max(num_blocks, 1)}, ops.input.options().dtype(at::kDouble));
+  at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
+  const double grad_scale = mean ? 1.0 / static_cast<double>(n) : 1.0;
+
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, block_sums.data_ptr<double>(), data_or_null(grad_input),
+                                     data_or_null(grad_target), grad_scale, stream));
+  C10_CUDA_CHECK(launch_finish_reduction(block_sums.data_ptr<double>(), num_blocks, n, mean, out.data_ptr(),
+                                         to_dtype(ops.loss_dtype), stream));
+  return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+}
+
+void scale_(at::Tensor& self, const at::Tensor& scale) {
+  TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
+              "fusedloss: scale_ takes a one-element scale on the tensor's device");
+  TORCH_CHECK(self.is_contiguous(), "fusedloss: scale_ needs a contiguous tensor");
+  const c10::cuda::CUDAGuard guard(self.device());
+  C10_CUDA_CHECK(launch_scale_in_place(self.data_ptr(), to_dtype(self.scalar_type()), self.numel(),
+                                       scale.data_ptr(), to_dtype(scale.scalar_type()),
+                                       current_device_sm_count(),
+                                       c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
+  m.impl("pointwise_loss", &pointwise_loss);
+  m.impl("pointwise_loss_backward", &pointwise_loss_backward);
+  m.impl("reduced_loss", &reduced_loss);
+  m.impl("scale_", &scale_);
+}
+
+}  // namespace fusedloss

@@ -1,0 +1,344 @@
+// Single-pass loss kernels. One generic kernel per job (reduce, pointwise,
+// pointwise backward), parameterised by the loss and the dtype pair.
+#include "launch.h"
+#include "dtypes.cuh"
+#include "losses.cuh"
+#include "elementwise.cuh"
+
+namespace fusedloss {
+
+// About 128 bytes of loads in flight per thread hide HBM latency without
+// spilling at 64 registers.
+constexpr int unroll_for(int bytes_per_chunk) { return 128 / bytes_per_chunk > 1 ? 128 / bytes_per_chunk : 1; }
+
+// The vector width covers 16 bytes of the narrower operand.
+template <class Loss, typename In, typename Tgt>
+struct PairOp {
+  using T = opmath_t<In, Tgt>;
+  using InT = In;
+  using TgtT = Tgt;
+  using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
+  static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
+  static constexpr int kUnroll = unroll_for(kVec * int(sizeof(In) + sizeof(Tgt)));
+
+  template <int W>
+  struct Chunk {
+    alignas(16) In input[W];
+    alignas(16) Tgt target[W];
+    alignas(16) Out grad_output[W];  // used by the pointwise backward only
+  };
+
+  const In* __restrict__ input;
+  const Tgt* __restrict__ target;
+  T param;
+
+  __device__ __forceinline__ T diff(const In& x, const Tgt& y) const { return to_opmath(x) - to_opmath(y); }
+  template <int W>
+  __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
+    load_chunk(c.input, input, first);
+    load_chunk(c.target, target, first);
+  }
+};
+
+// Loss partial sums, plus the scaled gradient(s) when their pointers are set.
+template <class Loss, typename In, typename Tgt>
+struct ReducedLossOp : PairOp<Loss, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  In* __restrict__ grad_input;
+  Tgt* __restrict__ grad_target;
+  T grad_scale;
+  double sum;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) {
+    T chunk_sum = 0;
+#pragma unroll
+    for (int k = 0; k < W; ++k) chunk_sum += Loss::value(this->diff(c.input[k], c.target[k]), this->param);
+    sum += double(chunk_sum);
+    if (grad_input == nullptr && grad_target == nullptr) return;
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      // One rounding from the fp32 product into the storage dtype.
+      const T g = Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale;
+      gi[k] = Convert<In>::from(g);
+      gt[k] = Convert<Tgt>::from(-g);
+    }
+    if (grad_input != nullptr) store_chunk(grad_input, first, gi);
+    if (grad_target != nullptr) store_chunk(grad_target, first, gt);
+  }
+};
+
+template <class Loss, typename In, typename Tgt>
+struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  Out* __restrict__ out;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    alignas(16) Out values[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      values[k] = Convert<Out>::from(Loss::value(this->diff(c.input[k], c.target[k]), this->param));
+    }
+    store_chunk(out, first, values);
+  }
+};
+
+template <class Loss, typename In, typename Tgt>
+struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+  static constexpr int kUnroll = unroll_for(Base::kVec * int(sizeof(In) + sizeof(Tgt) + sizeof(Out)));
+
+  const Out* __restrict__ grad_output;
+  bool grad_output_is_scalar;
+  In* __restrict__ grad_input;
+  Tgt* __restrict__ grad_target;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
+    this->load_pair(c, first);
+    if (!grad_output_is_scalar) load_chunk(c.grad_output, grad_output, first);
+  }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
+      const T g = Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * go;
+      gi[k] = Convert<In>::from(g);
+      gt[k] = Convert<Tgt>::from(-g);
+    }
+    if (grad_input != nullptr) store_chunk(grad_input, first, gi);
+    if (grad_target != nullptr) store_chunk(grad_target, first, gt);
+  }
+};
+
+template <typename S>
+struct ScaleOp {
+  using T = opmath_t<S, S>;
+  static constexpr int kVec = 16 / sizeof(S);
+  static constexpr int kUnroll = unroll_for(2 * kVec * int(sizeof(S)));
+  template <int W>
+  struct Chunk {
+    alignas(16) S data[W];
+  };
+
+  S* __restrict__ data;
+  T scale;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { load_chunk(c.data, data, first); }
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    alignas(16) S scaled[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) scaled[k] = Convert<S>::from(to_opmath(c.data[k]) * scale);
+    store_chunk(data, first, scaled);
+  }
+};
+
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, bool vectorized,
+                                                                     double* block_sums) {
+  op.sum = 0.0;
+  visit_all(op, n, vectorized);
+  const double total = block_sum(op.sum);
+  if (threadIdx.x == 0) block_sums[blockIdx.x] = total;
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n, bool vectorized) {
+  visit_all(op, n, vectorized);
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) finish_reduction_kernel(const double* block_sums,
+                                                                         int num_blocks, int64_t numel,
+                                                                         bool mean, Out* out) {
+  double v = 0.0;
+  for (int i = threadIdx.x; i < num_blocks; i += kBlockThreads) v += block_sums[i];
+  v = block_sum(v);
+  // An empty mean is 0 / 0 = NaN, as in PyTorch.
+  if (threadIdx.x == 0) *out = Convert<Out>::from(mean ? v / double(numel) : v);
+}
+
+__device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return *static_cast<const float*>(p);
+    case DType::kFloat16: return __half2float(*static_cast<const __half*>(p));
+    case DType::kBFloat16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+    default: return *static_cast<const double*>(p);
+  }
+}
+
+template <typename S>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, bool vectorized,
+                                                                       const void* scale, DType scale_dtype) {
+  const double s = load_as_double(scale, scale_dtype);
+  if (s == 1.0) return;
+  ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
+  visit_all(op, n, vectorized);
+}
+
+// ---- host-side dispatch -------------------------------------------------
+
+template <class F>
+void with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(float{}); break;
+    case DType::kFloat16: f(__half{}); break;
+    case DType::kBFloat16: f(__nv_bfloat16{}); break;
+    case DType::kFloat64: f(double{}); break;
+  }
+}
+
+template <class F>
+void with_loss(LossKind loss, F&& f) {
+  switch (loss) {
+    case LossKind::kMse: f(MseLoss{}); break;
+    case LossKind::kL1: f(L1Loss{}); break;
+    case LossKind::kSmoothL1: f(SmoothL1Loss{}); break;
+    case LossKind::kHuber: f(HuberLoss{}); break;
+  }
+}
+
+// Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
+// taken only paired with fp64; the host code converts the other operand.
+template <class F>
+cudaError_t with_problem_types(const LossProblem& p, F&& f) {
+  cudaError_t err = cudaErrorInvalidValue;
+  with_dtype(p.input_dtype, [&](auto in) {
+    with_dtype(p.target_dtype, [&](auto tgt) {
+      using In = decltype(in);
+      using Tgt = decltype(tgt);
+      if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
+        with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
+      }
+    });
+  });
+  return err;
+}
+
+template <class Op>
+Op make_op(const LossProblem& p) {
+  Op op{};
+  op.input = static_cast<const typename Op::InT*>(p.input);
+  op.target = static_cast<const typename Op::TgtT*>(p.target);
+  op.param = static_cast<typename Op::T>(p.param);
+  return op;
+}
+
+int reduced_loss_num_blocks(const LossProblem& p) {
+  int blocks = 0;
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    blocks = grid_size<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt)>>(p.numel, p.num_sms);
+    return cudaSuccess;
+  });
+  return blocks;
+}
+
+cudaError_t launch_reduced_loss(const LossProblem& p, double* block_sums, void* grad_input,
+                                void* grad_target, double grad_scale, cudaStream_t stream) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = ReducedLossOp<decltype(loss), In, Tgt>;
+    const int blocks = grid_size<Op>(p.numel, p.num_sms);
+    if (blocks == 0) return cudaSuccess;
+    Op op = make_op<Op>(p);
+    op.grad_input = static_cast<In*>(grad_input);
+    op.grad_target = static_cast<Tgt*>(grad_target);
+    op.grad_scale = static_cast<typename Op::T>(grad_scale);
+    const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                            is_aligned16(grad_input) && is_aligned16(grad_target);
+    reduced_loss_kernel<<<blocks, kBlockThreads, 0, stream>>>(op, p.numel, vectorized, block_sums);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks, int64_t numel, bool mean,
+                                    void* out, DType out_dtype, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  with_dtype(out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    finish_reduction_kernel<<<1, kBlockThreads, 0, stream>>>(block_sums, num_blocks, numel, mean,
+                                                            static_cast<Out*>(out));
+    err = cudaGetLastError();
+  });
+  return err;
+}
+
+cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    using Op = PointwiseLossOp<decltype(loss), decltype(in), decltype(tgt)>;
+    const int blocks = grid_size<Op>(p.numel, p.num_sms);
+    if (blocks == 0) return cudaSuccess;
+    Op op = make_op<Op>(p);
+    op.out = static_cast<typename Op::Out*>(out);
+    const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) && is_aligned16(out);
+    elementwise_kernel<<<blocks, kBlockThreads, 0, stream>>>(op, p.numel, vectorized);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
+                                           bool grad_output_is_scalar, void* grad_input,
+                                           void* grad_target, cudaStream_t stream) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt>;
+    const int blocks = grid_size<Op>(p.numel, p.num_sms);
+    if (blocks == 0) return cudaSuccess;
+    Op op = make_op<Op>(p);
+    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+    op.grad_output_is_scalar = grad_output_is_scalar;
+    op.grad_input = static_cast<In*>(grad_input);
+    op.grad_target = static_cast<Tgt*>(grad_target);
+    const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                            (grad_output_is_scalar || is_aligned16(grad_output)) &&
+                            is_aligned16(grad_input) && is_aligned16(grad_target);
+    elementwise_kernel<<<blocks, kBlockThreads, 0, stream>>>(op, p.numel, vectorized);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale,
+                                  DType scale_dtype, int num_sms, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  with_dtype(dtype, [&](auto s) {
+    using S = decltype(s);
+    const int blocks = grid_size<ScaleOp<S>>(numel, num_sms);
+    if (blocks == 0) return;
+    scale_in_place_kernel<<<blocks, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel,
+                                                               is_aligned16(data), scale, scale_dtype);
+    err = cudaGetLastError();
+  });
+  return err;
+}
+
+}  // namespace fusedloss

@@ -1,0 +1,128 @@
+"""Drop-in replacements for ``torch.nn.functional``'s regression losses.
+
+On CUDA, float16, bfloat16, float32 and float64 operands (mixed pairs too)
+run on fusedloss's kernels. Everything else (CPU and other devices, other
+dtypes, tensor subclasses, ``weight``, invalid beta or delta, operands on
+different devices) is handed to ``torch.nn.functional`` unchanged, so results,
+warnings and errors there are PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import _reduction
+from torch.overrides import has_torch_function_variadic
+
+from . import build
+from . import ops as _ops  # noqa: F401  (defines torch.ops.fusedloss)
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _kernels_apply(input: Tensor, target: Tensor, weight: Tensor | None) -> bool:
+    return (
+        weight is None
+        and isinstance(input, Tensor)
+        and isinstance(target, Tensor)
+        and not has_torch_function_variadic(input, target)
+        and input.is_cuda
+        and target.device == input.device
+        and input.dtype in _KERNEL_DTYPES
+        and target.dtype in _KERNEL_DTYPES
+    )
+
+
+def _weight_kwargs(weight: Tensor | None) -> dict:
+    # torch < 2.6 has no `weight` argument; pass it on only when given.
+    return {} if weight is None else {"weight": weight}
+
+
+def _fused_loss(
+    loss: str,
+    param: float,
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None,
+    reduce: bool | None,
+    reduction: str,
+) -> Tensor:
+    """The steps of torch.nn.functional's losses, in its order, then one fused op."""
+    if target.size() != input.size():
+        warnings.warn(
+            f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
+            "This will likely lead to incorrect results due to broadcasting. "
+            "Please ensure they have the same size.",
+            stacklevel=3,
+        )
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    mode = _REDUCTION_NAMES[_reduction.get_enum(reduction)]
+    if loss == "smooth_l1" and param == 0.0:
+        loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
+    if not torch.compiler.is_compiling():
+        build.load()  # a compiled graph loads the kernels when it is traced (ops.py)
+    if mode == "none":
+        return torch.ops.fusedloss.pointwise_loss(input, target, loss, param)
+    grad_enabled = torch.is_grad_enabled()
+    output_mask = [grad_enabled and input.requires_grad, grad_enabled and target.requires_grad]
+    return torch.ops.fusedloss.reduced_loss(input, target, loss, param, mode, output_mask)[0]
+
+
+def mse_loss(
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    weight: Tensor | None = None,
+) -> Tensor:
+    """Mean squared error, as ``torch.nn.functional.mse_loss``."""
+    if not _kernels_apply(input, target, weight):
+        return F.mse_loss(input, target, size_average, reduce, reduction, **_weight_kwargs(weight))
+    return _fused_loss("mse", 0.0, input, target, size_average, reduce, reduction)
+
+
+def l1_loss(
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    weight: Tensor | None = None,
+) -> Tensor:
+    """Mean absolute error, as ``torch.nn.functional.l1_loss``."""
+    if not _kernels_apply(input, target, weight):
+        return F.l1_loss(input, target, size_average, reduce, reduction, **_weight_kwargs(weight))
+    return _fused_loss("l1", 0.0, input, target, size_average, reduce, reduction)
+
+
+def smooth_l1_loss(
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    beta: float = 1.0,
+) -> Tensor:
+    """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1."""
+    if not (beta >= 0) or not _kernels_apply(input, target, None):
+        return F.smooth_l1_loss(input, target, size_average, reduce, reduction, beta=beta)
+    return _fused_loss("smooth_l1", float(beta), input, target, size_average, reduce, reduction)
+
+
+def huber_loss(
+    input: Tensor,
+    target: Tensor,
+    reduction: str = "mean",
+    delta: float = 1.0,
+    weight: Tensor | None = None,
+) -> Tensor:
+    """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype."""
+    if not (delta > 0) or not _kernels_apply(input, target, weight):
+        return F.huber_loss(input, target, reduction=reduction, delta=delta, **_weight_kwargs(weight))
+    return _fused_loss("huber", float(delta), input, target, None, None, reduction)

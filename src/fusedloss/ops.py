@@ -1,0 +1,220 @@
+"""The ``fusedloss::`` operators: schemas, fake kernels, autograd and CPU kernels.
+
+The CUDA kernels live in the compiled extension (``csrc/fusedloss_ops.cpp``),
+which registers them with ``TORCH_LIBRARY_IMPL(fusedloss, CUDA, m)`` when
+``build.load()`` loads it. The schemas are defined here so that they, the fake
+kernels and the autograd formulas exist, and can be tested, without a GPU.
+
+``loss`` is one of ``formulas.LOSSES``; ``param`` is beta for ``smooth_l1``
+(> 0) and delta for ``huber``. Operands broadcast; gradients come back in the
+broadcast shape and autograd sums them to each operand's own shape.
+
+- ``reduced_loss``: mean or sum in one pass over the operands. When
+  ``output_mask`` asks for them, the same pass writes d loss / d input and
+  d loss / d target, already scaled for the reduction; backward hands them on
+  (scaled in place by ``scale_``, which the GPU skips when grad_output == 1).
+- ``pointwise_loss`` / ``pointwise_loss_backward``: ``reduction='none'``, each
+  one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import build, formulas
+
+_lib = torch.library.Library("fusedloss", "DEF")
+_lib.define("pointwise_loss(Tensor input, Tensor target, str loss, float param) -> Tensor")
+_lib.define(
+    "pointwise_loss_backward(Tensor grad_output, Tensor input, Tensor target, str loss, float param, "
+    "bool[2] output_mask) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+_lib.define("scale_(Tensor(a!) self, Tensor scale) -> ()")
+
+
+def _grad_buffer(wanted: bool, like: Tensor, shape: Sequence[int]) -> Tensor:
+    return like.new_empty(shape) if wanted else like.new_empty((0,))
+
+
+def _broadcast_numel(input: Tensor, target: Tensor) -> int:
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+# ---- fake kernels (shapes and dtypes for torch.compile) ----------------------
+
+
+def _load_kernels_for(device: torch.device) -> None:
+    # A compiled graph calls the CUDA kernels without passing through
+    # fusedloss.functional, so tracing one makes sure they are loaded.
+    if device.type == "cuda" and torch.cuda.is_available():
+        build.load()
+
+
+@torch.library.register_fake("fusedloss::pointwise_loss")
+def _pointwise_loss_fake(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return input.new_empty(shape, dtype=formulas.loss_dtype(input.dtype, target.dtype, loss))
+
+
+@torch.library.register_fake("fusedloss::pointwise_loss_backward")
+def _pointwise_loss_backward_fake(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool]
+) -> tuple[Tensor, Tensor]:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
+@torch.library.register_fake("fusedloss::reduced_loss")
+def _reduced_loss_fake(
+    input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool]
+) -> tuple[Tensor, Tensor, Tensor]:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    out = input.new_empty((), dtype=formulas.loss_dtype(input.dtype, target.dtype, loss))
+    return out, _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
+@torch.library.register_fake("fusedloss::scale_")
+def _scale_fake(self: Tensor, scale: Tensor) -> None:
+    _load_kernels_for(self.device)
+
+
+# ---- CPU kernels: the torch formulas --------------------------------------------
+
+
+@torch.library.impl(_lib, "pointwise_loss", "CPU")
+def _pointwise_loss_cpu(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
+    return formulas.torch_loss(input, target, loss, param, "none")
+
+
+def _gradients_cpu(
+    grad_output: Tensor | float, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool]
+) -> tuple[Tensor, Tensor]:
+    grad = formulas.loss_grad(input, target, loss, param) * grad_output
+    grad_input = grad.to(input.dtype) if output_mask[0] else _grad_buffer(False, input, grad.shape)
+    grad_target = (-grad).to(target.dtype) if output_mask[1] else _grad_buffer(False, target, grad.shape)
+    return grad_input, grad_target
+
+
+@torch.library.impl(_lib, "pointwise_loss_backward", "CPU")
+def _pointwise_loss_backward_cpu(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool]
+) -> tuple[Tensor, Tensor]:
+    return _gradients_cpu(grad_output, input, target, loss, param, output_mask)
+
+
+@torch.library.impl(_lib, "reduced_loss", "CPU")
+def _reduced_loss_cpu(
+    input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool]
+) -> tuple[Tensor, Tensor, Tensor]:
+    out = formulas.torch_loss(input, target, loss, param, reduction)
+    numel = _broadcast_numel(input, target)
+    scale = 1.0 / numel if reduction == "mean" and numel > 0 else 1.0
+    return (out, *_gradients_cpu(scale, input, target, loss, param, output_mask))
+
+
+@torch.library.impl(_lib, "scale_", "CPU")
+def _scale_cpu(self: Tensor, scale: Tensor) -> None:
+    self.mul_(scale)
+
+
+# ---- autograd ------------------------------------------------------------------
+
+
+def _sum_to(grad: Tensor | None, operand: Tensor) -> Tensor | None:
+    if grad is None or grad.shape == operand.shape:
+        return grad
+    return grad.sum_to_size(operand.shape)
+
+
+def _loss_gradients(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, needs: Sequence[bool]
+) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients of an elementwise loss for a per-element ``grad_output``."""
+    if torch.is_grad_enabled():
+        # create_graph=True: a composite formula that autograd can differentiate again.
+        grad = formulas.loss_grad(input, target, loss, param) * grad_output
+        grad_input, grad_target = grad.to(input.dtype), (-grad).to(target.dtype)
+    else:
+        grad_input, grad_target = torch.ops.fusedloss.pointwise_loss_backward(
+            grad_output, input, target, loss, param, [bool(needs[0]), bool(needs[1])]
+        )
+    return (
+        _sum_to(grad_input, input) if needs[0] else None,
+        _sum_to(grad_target, target) if needs[1] else None,
+    )
+
+
+def _pointwise_setup_context(ctx, inputs, output) -> None:
+    input, target, ctx.loss, ctx.param = inputs
+    ctx.save_for_backward(input, target)
+
+
+def _pointwise_backward(ctx, grad: Tensor):
+    input, target = ctx.saved_tensors
+    grad_input, grad_target = _loss_gradients(grad, input, target, ctx.loss, ctx.param, ctx.needs_input_grad[:2])
+    return grad_input, grad_target, None, None
+
+
+def _reduced_setup_context(ctx, inputs, output) -> None:
+    input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask = inputs
+    # Nothing flows back into the fused gradients; don't build N-sized zeros for them.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(input, target)
+    # Kept outside save_for_backward: backward scales them in place and drops this
+    # reference, so autograd can hand the buffer to .grad without a copy.
+    ctx.fused_gradients = output[1:]
+
+
+def _scaled(fused_grad: Tensor, grad: Tensor) -> Tensor:
+    if type(fused_grad) is not Tensor:
+        # Traced by AOTAutograd (torch.compile) or a subclass: stay functional, as
+        # a compiled backward may run again on the same saved buffers.
+        return fused_grad * grad
+    torch.ops.fusedloss.scale_(fused_grad, grad)
+    return fused_grad
+
+
+def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad_target):
+    if grad is None:
+        return None, None, None, None, None, None
+    input, target = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:2]
+    fused = ctx.fused_gradients
+    if (
+        fused is not None
+        and not torch.is_grad_enabled()
+        and all(written or not needed for written, needed in zip(ctx.output_mask, needs))
+    ):
+        # Scaled in place, so only the first backward through this graph may use them.
+        ctx.fused_gradients = None
+        grad_input = _sum_to(_scaled(fused[0], grad), input) if needs[0] else None
+        grad_target = _sum_to(_scaled(fused[1], grad), target) if needs[1] else None
+    else:
+        shape = torch.broadcast_shapes(input.shape, target.shape)
+        per_element = grad / _broadcast_numel(input, target) if ctx.reduction == "mean" else grad
+        grad_input, grad_target = _loss_gradients(
+            per_element.expand(shape), input, target, ctx.loss, ctx.param, needs
+        )
+    return grad_input, grad_target, None, None, None, None
+
+
+torch.library.register_autograd(
+    "fusedloss::pointwise_loss", _pointwise_backward, setup_context=_pointwise_setup_context
+)
+torch.library.register_autograd(
+    "fusedloss::reduced_loss", _reduced_backward, setup_context=_reduced_setup_context
+)

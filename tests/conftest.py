@@ -1,0 +1,65 @@
+"""Shared helpers: fresh seeds, heavy-tailed inputs, float64 references, tolerances."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+import fusedloss
+from fusedloss import formulas
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DTYPE_PAIRS = [(a, b) for a in FLOAT_DTYPES for b in FLOAT_DTYPES]
+
+# (rtol, atol) against a float64 reference, by the dtype the loss is returned in.
+TOLERANCE = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (2e-6, 1e-6),
+    torch.float16: (2e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+# name -> (fusedloss function, torch.nn.functional function, parameter keyword, loss id)
+LOSSES = {
+    "mse": (fusedloss.mse_loss, torch.nn.functional.mse_loss, None),
+    "l1": (fusedloss.l1_loss, torch.nn.functional.l1_loss, None),
+    "smooth_l1": (fusedloss.smooth_l1_loss, torch.nn.functional.smooth_l1_loss, "beta"),
+    "huber": (fusedloss.huber_loss, torch.nn.functional.huber_loss, "delta"),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    """A new seed every run; printed so a failure can be replayed."""
+    seed = secrets.randbits(31)
+    torch.manual_seed(seed)
+    print(f"torch seed = {seed}")
+    return seed
+
+
+def heavy_tailed(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """Symmetric Pareto-like values: about 3/4 within (-1, 1), the rest out to ~1e3,
+    so both branches of Smooth L1 and Huber are taken."""
+    u = torch.rand(shape, dtype=torch.float64, device=device).clamp_min(1e-6)
+    sign = torch.randint(0, 2, shape, device=device) * 2 - 1
+    return ((u.pow(-0.5) - 1) * sign).to(dtype)
+
+
+def loss_kwargs(name: str, param: float) -> dict:
+    keyword = LOSSES[name][2]
+    return {} if keyword is None else {keyword: param}
+
+
+def float64_reference(name: str, input, target, reduction: str, param: float = 1.0) -> torch.Tensor:
+    """PyTorch's own formula evaluated in float64."""
+    loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+    return formulas.torch_loss(input.double(), target.double(), loss_id, param, reduction)
+
+
+def assert_close_to_reference(actual, expected64, dtype):
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected64.cpu(), rtol=rtol, atol=atol, equal_nan=True)

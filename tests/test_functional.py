@@ -1,0 +1,236 @@
+"""fusedloss.* against torch.nn.functional: values, dtypes, shapes, warnings, errors.
+
+Every test runs on the CPU, where fusedloss hands tensors to torch.nn.functional,
+and through the fused path on the CPU (the ops' reference kernels, fixture
+`fused_cpu`), which runs the same argument handling the CUDA path does. With a
+GPU the same tests run on CUDA against PyTorch's CUDA results.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedloss
+from fusedloss import build, functional
+
+from conftest import DTYPE_PAIRS, LOSSES, TOLERANCE, heavy_tailed, loss_kwargs, requires_cuda
+
+REDUCTIONS = ("none", "mean", "sum")
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 33), (4, 1, 17)]
+
+
+@pytest.fixture
+def fused_cpu(monkeypatch):
+    """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops."""
+    monkeypatch.setattr(build, "load", lambda: None)
+    monkeypatch.setattr(
+        functional,
+        "_kernels_apply",
+        lambda input, target, weight: weight is None
+        and input.device == target.device
+        and input.dtype in functional._KERNEL_DTYPES
+        and target.dtype in functional._KERNEL_DTYPES,
+    )
+
+
+@pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request):
+    if request.param == "fused-cpu":
+        request.getfixturevalue("fused_cpu")
+        return "cpu"
+    return request.param
+
+
+def _call_both(name, input, target, **kwargs):
+    ours, theirs, _ = LOSSES[name]
+    with warnings.catch_warnings(record=True) as our_warnings:
+        warnings.simplefilter("always")
+        out = ours(input, target, **kwargs)
+    with warnings.catch_warnings(record=True) as their_warnings:
+        warnings.simplefilter("always")
+        expected = theirs(input, target, **kwargs)
+    return out, expected, our_warnings, their_warnings
+
+
+def _assert_matches(out, expected):
+    assert out.dtype == expected.dtype
+    assert out.shape == expected.shape
+    assert out.device == expected.device
+    rtol, atol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_signature_matches_torch(name):
+    ours, theirs, _ = LOSSES[name]
+    assert inspect.signature(ours).parameters.keys() == inspect.signature(theirs).parameters.keys()
+    for key, parameter in inspect.signature(theirs).parameters.items():
+        assert inspect.signature(ours).parameters[key].default == parameter.default
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_torch_float32(device, name, reduction, shape):
+    input = heavy_tailed(shape, device=device)
+    target = heavy_tailed(shape, device=device)
+    out, expected, _, _ = _call_both(name, input, target, reduction=reduction)
+    _assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+def test_dtype_pairs(device, name, reduction, dtypes):
+    input = (torch.randn(6, 9, device=device) * 2).to(dtypes[0])
+    target = torch.randn(6, 9, device=device).to(dtypes[1])
+    out, expected, _, _ = _call_both(name, input, target, reduction=reduction)
+    _assert_matches(out, expected)
+
+
+@pytest.mark.parametrize("name", ["smooth_l1", "huber"])
+@pytest.mark.parametrize("param", [1e-30, 0.25, 1.0, 3.0, 1e30])
+def test_params(device, name, param):
+    input, target = heavy_tailed((50,), device=device), heavy_tailed((50,), device=device)
+    for reduction in REDUCTIONS:
+        out, expected, _, _ = _call_both(name, input, target, reduction=reduction, **loss_kwargs(name, param))
+        _assert_matches(out, expected)
+
+
+def test_smooth_l1_beta_zero_is_l1(device):
+    input, target = heavy_tailed((40,), device=device), heavy_tailed((40,), device=device)
+    out = fusedloss.smooth_l1_loss(input, target, beta=0.0)
+    _assert_matches(out, F.l1_loss(input, target))
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_broadcast_warns_like_torch(device, name):
+    input, target = torch.randn(3, 4, device=device), torch.randn(4, device=device)
+    out, expected, ours, theirs = _call_both(name, input, target, reduction="none")
+    _assert_matches(out, expected)
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]
+    assert len(ours) == 1
+    if functional._kernels_apply(input, target, None):
+        # The fused path points the warning at the caller, as PyTorch does. (Handed to
+        # torch.nn.functional, the warning points at fusedloss/functional.py.)
+        assert ours[0].filename == __file__
+
+
+@pytest.mark.parametrize("name", ["mse", "l1", "smooth_l1"])
+@pytest.mark.parametrize(
+    "legacy", [dict(size_average=False), dict(reduce=False), dict(size_average=True, reduce=True)], ids=str
+)
+def test_legacy_reduction_arguments(device, name, legacy):
+    input, target = torch.randn(5, 3, device=device), torch.randn(5, 3, device=device)
+    out, expected, ours, theirs = _call_both(name, input, target, **legacy)
+    _assert_matches(out, expected)
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_empty_input(device, name):
+    empty = torch.empty(0, 3, device=device)
+    assert torch.isnan(LOSSES[name][0](empty, empty)).item()
+    assert LOSSES[name][0](empty, empty, reduction="sum").item() == 0
+    assert LOSSES[name][0](empty, empty, reduction="none").shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_nan_and_inf_propagate(device, name, reduction):
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0, float("inf"), 0.0], device=device)
+    other = torch.tensor([0.5, 1.0, 2.0, float("nan"), float("inf"), -float("inf")], device=device)
+    out, expected, _, _ = _call_both(name, special, other, reduction=reduction)
+    _assert_matches(out, expected)
+
+
+def _error_of(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as info:
+            fn(*args, **kwargs)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(reduction="average"),
+        dict(reduction="elementwise"),
+    ],
+    ids=str,
+)
+def test_invalid_reduction_errors_like_torch(device, name, bad):
+    x = torch.randn(4, device=device)
+    ours, theirs, _ = LOSSES[name]
+    assert _error_of(ours, x, x, **bad) == _error_of(theirs, x, x, **bad)
+
+
+@pytest.mark.parametrize("name,param", [("smooth_l1", -1.0), ("huber", 0.0), ("huber", -2.0)])
+def test_invalid_param_errors_like_torch(device, name, param):
+    x = torch.randn(4, device=device)
+    ours, theirs, _ = LOSSES[name]
+    assert _error_of(ours, x, x, **loss_kwargs(name, param)) == _error_of(theirs, x, x, **loss_kwargs(name, param))
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_and_bool_inputs_error_like_torch(device, name, dtype):
+    x = torch.ones(4, device=device, dtype=dtype)
+    ours, theirs, _ = LOSSES[name]
+    assert _error_of(ours, x, x) == _error_of(theirs, x, x)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_mismatched_shapes_error_like_torch(device, name):
+    ours, theirs, _ = LOSSES[name]
+    a, b = torch.randn(3, device=device), torch.randn(4, device=device)
+    assert _error_of(ours, a, b) == _error_of(theirs, a, b)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_different_devices_error_like_torch(name):
+    ours, theirs, _ = LOSSES[name]
+    a, b = torch.randn(3), torch.randn(3, device="meta")
+    assert _error_of(ours, a, b) == _error_of(theirs, a, b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", LOSSES)
+def test_cuda_and_cpu_operands_behave_like_torch(name):
+    ours, theirs, _ = LOSSES[name]
+    a, b = torch.randn(3, device="cuda"), torch.randn(3)
+    assert _error_of(ours, a, b) == _error_of(theirs, a, b)
+    scalar = torch.tensor(0.5)  # a CPU scalar next to a CUDA tensor is allowed by PyTorch
+    _assert_matches(ours(a, scalar), theirs(a, scalar))
+
+
+@pytest.mark.parametrize("name", ["mse", "l1", "huber"])
+def test_weight_goes_to_torch(device, name):
+    if "weight" not in inspect.signature(LOSSES[name][1]).parameters:
+        pytest.skip("this torch has no weight argument")
+    input, target, weight = (torch.rand(5, device=device) for _ in range(3))
+    out, expected, _, _ = _call_both(name, input, target, weight=weight)
+    _assert_matches(out, expected)
+
+
+class _Tagged(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _Tagged.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_tensor_subclasses_see_the_torch_function(name):
+    ours, theirs, _ = LOSSES[name]
+    _Tagged.seen = []
+    x = torch.randn(4).as_subclass(_Tagged)
+    ours(x, torch.randn(4))
+    assert _Tagged.seen[0] is theirs

@@ -1,0 +1,147 @@
+"""The fusedloss:: operators: schemas, fake kernels, opcheck and autograd.
+
+On the CPU these run against the ops' reference kernels; with a GPU the same
+checks run against the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fusedloss
+from fusedloss import build, formulas
+from fusedloss import ops  # noqa: F401
+
+from conftest import FLOAT_DTYPES, LOSSES, heavy_tailed, loss_kwargs, requires_cuda
+
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.75, "huber": 1.5}
+
+
+@pytest.fixture(autouse=True)
+def kernels_loaded(request):
+    if torch.cuda.is_available():
+        build.load()
+
+
+def test_schemas():
+    for name in ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "scale_"):
+        assert hasattr(torch.ops.fusedloss, name)
+    schema = torch.ops.fusedloss.reduced_loss.default._schema
+    assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask"]
+    assert torch.ops.fusedloss.scale_.default._schema.arguments[0].alias_info.is_write
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float16, torch.bfloat16), (torch.float32, torch.float64)], ids=str)
+def test_fake_kernels_give_shapes_and_dtypes(device, loss, dtypes):
+    with FakeTensorMode():
+        input = torch.empty(4, 1, 5, dtype=dtypes[0], device=device)
+        target = torch.empty(3, 1, dtype=dtypes[1], device=device)
+        expected_dtype = formulas.loss_dtype(*dtypes, loss)
+        out = torch.ops.fusedloss.pointwise_loss(input, target, loss, 1.0)
+        assert out.shape == (4, 3, 5) and out.dtype == expected_dtype and out.device.type == device
+        value, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(input, target, loss, 1.0, "mean",
+                                                                          [True, False])
+        assert value.shape == () and value.dtype == expected_dtype
+        assert grad_input.shape == (4, 3, 5) and grad_input.dtype == dtypes[0]
+        assert grad_target.numel() == 0
+        grads = torch.ops.fusedloss.pointwise_loss_backward(out, input, target, loss, 1.0, [False, True])
+        assert grads[0].numel() == 0 and grads[1].shape == (4, 3, 5) and grads[1].dtype == dtypes[1]
+
+
+def _sample_args(device, loss, dtype=torch.float32, shape=(5, 7)):
+    input = heavy_tailed(shape, dtype, device).requires_grad_()
+    target = heavy_tailed(shape, dtype, device).requires_grad_()
+    return input, target, loss, PARAMS[loss]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", formulas.LOSSES)
+def test_opcheck(device, loss):
+    input, target, name, param = _sample_args(device, loss)
+    broadcast_target = target.detach()[0].requires_grad_()
+    for args in [(input, target, name, param), (input, broadcast_target, name, param)]:
+        torch.library.opcheck(torch.ops.fusedloss.pointwise_loss, args)
+        for reduction in ("mean", "sum"):
+            for mask in ([True, True], [True, False], [False, False]):
+                torch.library.opcheck(torch.ops.fusedloss.reduced_loss, (*args, reduction, mask))
+        grad_output = torch.randn(input.shape, device=device)
+        torch.library.opcheck(torch.ops.fusedloss.pointwise_loss_backward,
+                              (grad_output, input.detach(), args[1].detach(), name, param, [True, True]))
+    buffer = torch.randn(9, device=device)
+    torch.library.opcheck(torch.ops.fusedloss.scale_, (buffer, torch.tensor(0.5, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_gradcheck_float64(device, loss, reduction):
+    # Keep |input - target| away from the kinks so finite differences are valid.
+    input = (torch.rand(4, 6, dtype=torch.float64, device=device) * 4 - 2).requires_grad_()
+    target = torch.zeros(1, 6, dtype=torch.float64, device=device)
+    target += torch.sign(torch.randn_like(target)) * 0.1
+    target.requires_grad_()
+    far_from_kinks = (input - target).abs()
+    far_from_kinks = ((far_from_kinks - PARAMS[loss]).abs() > 1e-2) & (far_from_kinks > 1e-2)
+    input = torch.where(far_from_kinks, input, input + 0.05).detach().requires_grad_()
+
+    def fn(input, target):
+        if reduction == "none":
+            return torch.ops.fusedloss.pointwise_loss(input, target, loss, PARAMS[loss])
+        return torch.ops.fusedloss.reduced_loss(input, target, loss, PARAMS[loss], reduction, [True, True])[0]
+
+    assert torch.autograd.gradcheck(fn, (input, target))
+    assert torch.autograd.gradgradcheck(fn, (input, target))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gradient_is_written_only_when_asked(device):
+    input, target = torch.randn(10, device=device), torch.randn(10, device=device)
+    _, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [False, False])
+    assert grad_input.numel() == 0 and grad_target.numel() == 0
+    _, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, False])
+    torch.testing.assert_close(grad_input, 2 * (input - target))
+    assert grad_target.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", LOSSES)
+def test_functional_records_no_fused_gradient_without_grad(device, name, monkeypatch):
+    calls = []
+    real = torch.ops.fusedloss.reduced_loss
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[-1])
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.fusedloss, "reduced_loss", Spy())
+    if device == "cpu":
+        from fusedloss import functional
+
+        monkeypatch.setattr(build, "load", lambda: None)
+        monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
+    x = torch.randn(8, device=device, requires_grad=True)
+    y = torch.randn(8, device=device)
+    with torch.no_grad():
+        LOSSES[name][0](x, y)
+    LOSSES[name][0](x.detach(), y)
+    LOSSES[name][0](x, y)
+    assert calls == [[False, False], [False, False], [True, False]]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_loss_dtype_rule_matches_torch(dtype):
+    for other in FLOAT_DTYPES:
+        a, b = torch.ones(2, dtype=dtype), torch.ones(2, dtype=other)
+        for loss, (_, torch_fn, keyword) in LOSSES.items():
+            assert formulas.loss_dtype(dtype, other, loss) == torch_fn(a, b, **loss_kwargs(loss, 1.0)).dtype
+
+
+def test_package_exports():
+    assert fusedloss.__all__ == ["huber_loss", "l1_loss", "mse_loss", "nn", "smooth_l1_loss"]
