@@ -1,4 +1,4 @@
-// A grid-stride walk over contiguous elements that every kernel here shares.
+// The walk over contiguous elements that every kernel here shares.
 // An op supplies `Chunk<W>` (registers for W consecutive elements), `load` and
 // `apply`; the walk issues all loads of an unrolled step before the first use,
 // so each thread keeps several 16-byte loads in flight.
@@ -42,46 +42,63 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ dst, int64_t first, 
   }
 }
 
+// The threads of a block share [first_element, first_element + num_chunks * W)
+// in steps of kBlockThreads * U chunks.
 template <int W, int U, class Op>
 __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int64_t num_chunks) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t base = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; base < num_chunks;
-       base += stride * U) {
+  for (int64_t base = threadIdx.x; base < num_chunks; base += int64_t(kBlockThreads) * U) {
     typename Op::template Chunk<W> chunks[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t c = base + u * stride;
+      const int64_t c = base + u * kBlockThreads;
       if (c < num_chunks) op.load(chunks[u], first_element + c * W);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t c = base + u * stride;
+      const int64_t c = base + u * kBlockThreads;
       if (c < num_chunks) op.apply(chunks[u], first_element + c * W);
     }
   }
 }
 
-// Every element of [0, n) exactly once: Op::kVec-wide chunks when all of the
-// op's pointers are 16-byte aligned, then the tail one by one; else one by one.
+// Each block owns one contiguous range of elements (see Schedule): Op::kVec-wide
+// chunks when all of the op's pointers are 16-byte aligned, then the range's
+// tail one by one; else one by one.
 template <class Op>
-__device__ __forceinline__ void visit_all(Op& op, int64_t n, bool vectorized) {
+__device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t elements_per_block, bool vectorized) {
+  const int64_t begin = int64_t(blockIdx.x) * elements_per_block;
+  const int64_t count = (n - begin < elements_per_block ? n - begin : elements_per_block);
   if (vectorized) {
-    const int64_t num_chunks = n / Op::kVec;
-    visit_chunks<Op::kVec, Op::kUnroll>(op, 0, num_chunks);
-    visit_chunks<1, 1>(op, num_chunks * Op::kVec, n - num_chunks * Op::kVec);
+    const int64_t num_chunks = count / Op::kVec;
+    visit_chunks<Op::kVec, Op::kUnroll>(op, begin, num_chunks);
+    visit_chunks<1, 1>(op, begin + num_chunks * Op::kVec, count - num_chunks * Op::kVec);
   } else {
-    visit_chunks<1, kScalarUnroll>(op, 0, n);
+    visit_chunks<1, kScalarUnroll>(op, begin, count);
   }
 }
 
-// Grid size from the SM count; it depends only on n, the op and the device, so
-// a reduction's summation order is the same on every run.
+// Blocks own contiguous ranges, sized so that every SM gets kBlocksPerSm
+// blocks, but no larger than kMaxChunksPerBlock: on big inputs many short-lived
+// blocks balance the load across SMs better than one persistent wave (measured
+// in benchmarks/reduce_variants.py). The schedule depends only on n, the op and
+// the SM count, so a reduction's summation order is the same on every run.
+constexpr int64_t kMaxChunksPerBlock = 16384;
+
+struct Schedule {
+  int64_t elements_per_block;
+  int blocks;
+};
+
 template <class Op>
-inline int grid_size(int64_t n, int num_sms) {
-  const int64_t per_block = int64_t(kBlockThreads) * Op::kVec * Op::kUnroll;
-  const int64_t wanted = (n + per_block - 1) / per_block;
-  const int64_t most = int64_t(num_sms) * kBlocksPerSm;
-  return int(wanted < most ? wanted : most);
+inline Schedule make_schedule(int64_t n, int num_sms) {
+  const int64_t chunks = (n + Op::kVec - 1) / Op::kVec;
+  const int64_t step = int64_t(kBlockThreads) * Op::kUnroll;
+  const int64_t wave = int64_t(num_sms) * kBlocksPerSm;
+  int64_t per_block = (chunks + wave - 1) / wave;
+  per_block = per_block > 0 ? (per_block + step - 1) / step * step : step;
+  per_block = per_block < kMaxChunksPerBlock ? per_block : (kMaxChunksPerBlock / step) * step;
+  const int64_t blocks = (chunks + per_block - 1) / per_block;
+  return {per_block * Op::kVec, int(blocks)};
 }
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -162,17 +162,18 @@ struct ScaleOp {
 };
 
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, bool vectorized,
-                                                                     double* block_sums) {
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, int64_t elements_per_block,
+                                                                     bool vectorized, double* block_sums) {
   op.sum = 0.0;
-  visit_all(op, n, vectorized);
+  visit_block_range(op, n, elements_per_block, vectorized);
   const double total = block_sum(op.sum);
   if (threadIdx.x == 0) block_sums[blockIdx.x] = total;
 }
 
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n, bool vectorized) {
-  visit_all(op, n, vectorized);
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n, int64_t elements_per_block,
+                                                                    bool vectorized) {
+  visit_block_range(op, n, elements_per_block, vectorized);
 }
 
 template <typename Out>
@@ -196,12 +197,13 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 }
 
 template <typename S>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, bool vectorized,
-                                                                       const void* scale, DType scale_dtype) {
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t elements_per_block,
+                                                                       bool vectorized, const void* scale,
+                                                                       DType scale_dtype) {
   const double s = load_as_double(scale, scale_dtype);
   if (s == 1.0) return;
   ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
-  visit_all(op, n, vectorized);
+  visit_block_range(op, n, elements_per_block, vectorized);
 }
 
 // ---- host-side dispatch -------------------------------------------------
@@ -255,7 +257,7 @@ Op make_op(const LossProblem& p) {
 int reduced_loss_num_blocks(const LossProblem& p) {
   int blocks = 0;
   with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    blocks = grid_size<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt)>>(p.numel, p.num_sms);
+    blocks = make_schedule<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt)>>(p.numel, p.num_sms).blocks;
     return cudaSuccess;
   });
   return blocks;
@@ -267,15 +269,16 @@ cudaError_t launch_reduced_loss(const LossProblem& p, double* block_sums, void* 
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt>;
-    const int blocks = grid_size<Op>(p.numel, p.num_sms);
-    if (blocks == 0) return cudaSuccess;
+    const Schedule schedule = make_schedule<Op>(p.numel, p.num_sms);
+    if (schedule.blocks == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
     op.grad_input = static_cast<In*>(grad_input);
     op.grad_target = static_cast<Tgt*>(grad_target);
     op.grad_scale = static_cast<typename Op::T>(grad_scale);
     const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
                             is_aligned16(grad_input) && is_aligned16(grad_target);
-    reduced_loss_kernel<<<blocks, kBlockThreads, 0, stream>>>(op, p.numel, vectorized, block_sums);
+    reduced_loss_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(op, p.numel, schedule.elements_per_block,
+                                                                      vectorized, block_sums);
     return cudaGetLastError();
   });
 }
@@ -295,12 +298,13 @@ cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks, in
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
   return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = PointwiseLossOp<decltype(loss), decltype(in), decltype(tgt)>;
-    const int blocks = grid_size<Op>(p.numel, p.num_sms);
-    if (blocks == 0) return cudaSuccess;
+    const Schedule schedule = make_schedule<Op>(p.numel, p.num_sms);
+    if (schedule.blocks == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
     op.out = static_cast<typename Op::Out*>(out);
     const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) && is_aligned16(out);
-    elementwise_kernel<<<blocks, kBlockThreads, 0, stream>>>(op, p.numel, vectorized);
+    elementwise_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(op, p.numel, schedule.elements_per_block,
+                                                                     vectorized);
     return cudaGetLastError();
   });
 }
@@ -312,8 +316,8 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* gra
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt>;
-    const int blocks = grid_size<Op>(p.numel, p.num_sms);
-    if (blocks == 0) return cudaSuccess;
+    const Schedule schedule = make_schedule<Op>(p.numel, p.num_sms);
+    if (schedule.blocks == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
     op.grad_output_is_scalar = grad_output_is_scalar;
@@ -322,7 +326,8 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* gra
     const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
                             (grad_output_is_scalar || is_aligned16(grad_output)) &&
                             is_aligned16(grad_input) && is_aligned16(grad_target);
-    elementwise_kernel<<<blocks, kBlockThreads, 0, stream>>>(op, p.numel, vectorized);
+    elementwise_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(op, p.numel, schedule.elements_per_block,
+                                                                     vectorized);
     return cudaGetLastError();
   });
 }
@@ -332,10 +337,10 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
   cudaError_t err = cudaSuccess;
   with_dtype(dtype, [&](auto s) {
     using S = decltype(s);
-    const int blocks = grid_size<ScaleOp<S>>(numel, num_sms);
-    if (blocks == 0) return;
-    scale_in_place_kernel<<<blocks, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel,
-                                                               is_aligned16(data), scale, scale_dtype);
+    const Schedule schedule = make_schedule<ScaleOp<S>>(numel, num_sms);
+    if (schedule.blocks == 0) return;
+    scale_in_place_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(
+        static_cast<S*>(data), numel, schedule.elements_per_block, is_aligned16(data), scale, scale_dtype);
     err = cudaGetLastError();
   });
   return err;

@@ -1,0 +1,276 @@
+"""Gradients on CUDA: the fused gradient, scaling, retain/create_graph, compile and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedloss
+from fusedloss import build
+
+from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
+
+pytestmark = requires_cuda
+REDUCTIONS = ("none", "mean", "sum")
+PARAMS = {"mse": 1.0, "l1": 1.0, "smooth_l1": 0.5, "huber": 2.0}
+GRAD_TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (2e-3, 1e-6),
+                  torch.float64: (1e-12, 1e-14)}
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    build.load()
+
+
+def _loss(name, fn_index, input, target, reduction, param=None):
+    param = PARAMS[name] if param is None else param
+    return LOSSES[name][fn_index](input, target, reduction=reduction, **loss_kwargs(name, param))
+
+
+def _gradients(name, fn_index, input, target, reduction, grad_scale=1.0, param=None):
+    input = input.detach().requires_grad_()
+    target = target.detach().requires_grad_(target.dtype.is_floating_point)
+    out = _loss(name, fn_index, input, target, reduction, param)
+    (out if grad_scale == 1.0 else out * grad_scale).backward()
+    return out, input.grad, target.grad
+
+
+def _float64_gradients(name, input, target, reduction, grad_scale=1.0, param=None):
+    """PyTorch's autograd on float64 copies."""
+    param = PARAMS[name] if param is None else param
+    loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+    from fusedloss import formulas
+
+    i64 = input.detach().double().requires_grad_()
+    t64 = target.detach().double().requires_grad_()
+    out = formulas.torch_loss(i64, t64, loss_id, param, reduction)
+    out.backward(torch.full_like(out, grad_scale))
+    return i64.grad, t64.grad
+
+
+def _assert_grad_close(actual, expected64, dtype):
+    rtol, atol = GRAD_TOLERANCE[dtype]
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.double(), expected64, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                    (torch.float64, torch.float64), (torch.float32, torch.float64)], ids=str)
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+def test_fused_gradients_against_float64(name, reduction, dtypes, grad_scale):
+    n = 100_003
+    input = (heavy_tailed((n,), torch.float64, "cuda").clamp(-8, 8)).to(dtypes[0])
+    target = (heavy_tailed((n,), torch.float64, "cuda").clamp(-8, 8)).to(dtypes[1])
+    input.view(-1)[:5] = target.view(-1)[:5].to(dtypes[0])  # x == y: gradient 0
+    out, grad_input, grad_target = _gradients(name, 0, input, target, reduction, grad_scale)
+    expected_input, expected_target = _float64_gradients(name, input, target, reduction, grad_scale)
+    _assert_grad_close(grad_input, expected_input, dtypes[0])
+    _assert_grad_close(grad_target, expected_target, dtypes[1])
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_backward_against_float64(name, dtype):
+    input = heavy_tailed((3, 4097), torch.float32, "cuda").to(dtype)
+    target = heavy_tailed((3, 4097), torch.float32, "cuda").to(dtype)
+    input = input.detach().requires_grad_()
+    target = target.detach().requires_grad_()
+    out = _loss(name, 0, input, target, "none")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (input, target), grad_out)
+    i64, t64 = input.detach().double().requires_grad_(), target.detach().double().requires_grad_()
+    expected = torch.autograd.grad(_loss(name, 1, i64, t64, "none"), (i64, t64), grad_out.double())
+    for actual, want in zip(grads, expected):
+        _assert_grad_close(actual, want, dtype)
+
+
+@pytest.mark.parametrize("n", [(1 << 20) + 3, 3_000_007])
+def test_bf16_mean_gradient_is_rounded_once(n):
+    """The fused bf16 gradient is the float64 gradient rounded once, so it has no
+    bias from rounding 1/N to bf16 first (eager's is about +3.5e-4 at N = 3e6+7)."""
+    input = torch.randn(n, device="cuda").to(torch.bfloat16).requires_grad_()
+    target = torch.randn(n, device="cuda").to(torch.bfloat16)
+    fusedloss.mse_loss(input, target).backward()
+    exact = 2 * (input.detach().double() - target.double()) / n
+    rounded = exact.float().to(torch.bfloat16)  # what one rounding (via fp32) gives
+    mismatches = (input.grad != rounded).float().mean().item()
+    assert mismatches < 1e-4
+    ulp = (exact.abs() * 2.0**-7).clamp_min(1e-30)
+    assert ((input.grad.double() - exact).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_broadcast_gradients_reduce_to_operand_shapes(name):
+    input = heavy_tailed((64, 33), device="cuda").requires_grad_()
+    target = heavy_tailed((33,), device="cuda").requires_grad_()
+    for reduction in REDUCTIONS:
+        with pytest.warns(UserWarning):
+            out = _loss(name, 0, input, target, reduction)
+        grads = torch.autograd.grad(out.sum(), (input, target))
+        with pytest.warns(UserWarning):
+            expected = torch.autograd.grad(_loss(name, 1, input, target, reduction).sum(), (input, target))
+        for actual, want in zip(grads, expected):
+            assert actual.shape == want.shape
+            torch.testing.assert_close(actual, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_retain_graph_and_repeated_backward(name):
+    input = heavy_tailed((999,), device="cuda").requires_grad_()
+    target = heavy_tailed((999,), device="cuda")
+    out = _loss(name, 0, input, target, "mean")
+    (first,) = torch.autograd.grad(out * 0.5, input, retain_graph=True)
+    (second,) = torch.autograd.grad(out * 3.0, input)
+    expected = torch.autograd.grad(_loss(name, 1, input, target, "mean"), input)[0]
+    torch.testing.assert_close(first, expected * 0.5)
+    torch.testing.assert_close(second, expected * 3.0)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_create_graph_matches_torch(name, reduction):
+    input = heavy_tailed((257,), torch.float64, "cuda").requires_grad_()
+    target = heavy_tailed((257,), torch.float64, "cuda").requires_grad_()
+    results = []
+    for fn_index in (0, 1):
+        out = _loss(name, fn_index, input, target, reduction).sum()
+        grad_input, grad_target = torch.autograd.grad(out, (input, target), create_graph=True)
+        results.append(torch.autograd.grad((grad_input ** 2).sum() + grad_target.sum() * 3, (input, target),
+                                           allow_unused=True, materialize_grads=True))
+    for actual, want in zip(*results):
+        torch.testing.assert_close(actual, want)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_gradcheck_through_the_functional_api(name):
+    input = (torch.rand(3, 5, dtype=torch.float64, device="cuda") * 4 - 2).requires_grad_()
+    target = torch.full((3, 5), 0.1, dtype=torch.float64, device="cuda").requires_grad_()
+    for reduction in REDUCTIONS:
+        assert torch.autograd.gradcheck(lambda a, b: _loss(name, 0, a, b, reduction), (input, target))
+
+
+def test_loss_backward_has_no_host_sync():
+    input = torch.randn(1 << 24, device="cuda", requires_grad=True)
+    target = torch.randn(1 << 24, device="cuda")
+    loss = fusedloss.mse_loss(input, target)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = 2 * (input.detach() - target) / input.numel()
+    torch.testing.assert_close(input.grad, expected)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_peak_memory_of_a_training_step_is_not_above_eager(name):
+    input = torch.randn(1 << 24, device="cuda", requires_grad=True)
+    target = torch.randn(1 << 24, device="cuda")
+    peaks = []
+    for fn_index in (0, 1):
+        input.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        _loss(name, fn_index, input, target, "mean").backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    # Slack for the reduction's block partials (a few KiB); the gradient is the 64 MiB.
+    assert peaks[0] <= peaks[1] + 8192
+
+
+def test_no_grad_keeps_no_buffer():
+    input = torch.randn(1 << 22, device="cuda", requires_grad=True)
+    target = torch.randn(1 << 22, device="cuda")
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        loss = fusedloss.huber_loss(input, target)
+    assert torch.cuda.memory_allocated() - before < 4096
+    del loss
+
+
+class _TinyModel(torch.nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 48)
+        self.loss = loss
+
+    def forward(self, x, y):
+        return self.loss(self.linear(x), y)
+
+
+@pytest.mark.parametrize("module", [fusedloss.nn.MSELoss(), fusedloss.nn.L1Loss(),
+                                    fusedloss.nn.SmoothL1Loss(beta=0.5), fusedloss.nn.HuberLoss(delta=2.0)],
+                         ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("mode", ["fullgraph", "reduce-overhead"])
+def test_torch_compile(module, mode):
+    torch._dynamo.reset()
+    model = _TinyModel(module).cuda()
+    reference = _TinyModel(getattr(torch.nn, type(module).__name__)(**_module_kwargs(module))).cuda()
+    reference.load_state_dict(model.state_dict())
+    compiled = (torch.compile(model, fullgraph=True) if mode == "fullgraph"
+                else torch.compile(model, mode="reduce-overhead", fullgraph=True))
+    for step in range(4):
+        x = heavy_tailed((32, 64), device="cuda")
+        y = heavy_tailed((32, 48), device="cuda")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        loss = compiled(x, y)
+        loss.backward()
+        expected = reference(x, y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.linear.weight.grad, reference.linear.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def _module_kwargs(module):
+    return {"beta": module.beta} if hasattr(module, "beta") else {"delta": module.delta} if hasattr(module, "delta") else {}
+
+
+def test_compile_has_no_graph_break():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+    def step(x, y):
+        return fusedloss.mse_loss(x, y) + fusedloss.huber_loss(x, y, reduction="sum") \
+            + fusedloss.smooth_l1_loss(x, y, reduction="none").mean() + fusedloss.l1_loss(x, y)
+
+    x = torch.randn(100, device="cuda", requires_grad=True)
+    y = torch.randn(100, device="cuda")
+    explanation = torch._dynamo.explain(step)(x, y)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_manual_cuda_graph_capture_of_a_training_step(name):
+    input = torch.randn(4099, device="cuda", requires_grad=True)
+    target = torch.randn(4099, device="cuda")
+    static_scale = torch.tensor(0.75, device="cuda")
+
+    def step():
+        input.grad = None
+        (_loss(name, 0, input, target, "mean") * static_scale).backward()
+        return input.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grad = step()
+    for value in (0.75, 1.0, -2.0):
+        with torch.no_grad():
+            input.copy_(torch.randn_like(input))
+            target.copy_(torch.randn_like(target))
+            static_scale.fill_(value)
+        graph.replay()
+        expected = torch.autograd.grad(_loss(name, 1, input, target, "mean") * value, input)[0]
+        torch.testing.assert_close(static_grad, expected, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,186 @@
+"""The CUDA kernels against float64 references: layouts, sizes, values, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedloss import bench, build
+
+from conftest import (
+    DTYPE_PAIRS,
+    LOSSES,
+    assert_close_to_reference,
+    float64_reference,
+    heavy_tailed,
+    loss_kwargs,
+    requires_cuda,
+)
+
+pytestmark = requires_cuda
+REDUCTIONS = ("none", "mean", "sum")
+PARAMS = {"mse": 1.0, "l1": 1.0, "smooth_l1": 0.5, "huber": 2.0}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocator():
+    """Fill the caching allocator's free memory with NaN so an unwritten output shows."""
+    build.load()
+    block = torch.empty(64 << 20, device="cuda")
+    block.fill_(float("nan"))
+    del block
+
+
+def _values(shape, dtype):
+    # fp16 overflows on squared heavy tails; keep its values where float64 agrees.
+    values = heavy_tailed(shape, torch.float64, "cuda")
+    return (values.clamp(-2, 2) if dtype == torch.float16 else values).to(dtype)
+
+
+def _check(name, input, target, reduction, param=None):
+    param = PARAMS[name] if param is None else param
+    out = LOSSES[name][0](input, target, reduction=reduction, **loss_kwargs(name, param))
+    expected = LOSSES[name][1](input, target, reduction=reduction, **loss_kwargs(name, param))
+    assert out.dtype == expected.dtype and out.shape == expected.shape and out.device == input.device
+    assert_close_to_reference(out, float64_reference(name, input, target, reduction, param), out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+def test_every_dtype_pair_against_float64(name, reduction, dtypes):
+    n = 3 * 4099  # not a multiple of any vector width, several blocks
+    _check(name, _values((n,), dtypes[0]), _values((n,), dtypes[1]), reduction)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 9, 31, 1000, 4097, 65537, 1_000_003])
+def test_odd_sizes(name, n):
+    for reduction in REDUCTIONS:
+        _check(name, _values((n,), torch.float32), _values((n,), torch.float32), reduction)
+        _check(name, _values((n,), torch.bfloat16), _values((n,), torch.float32), reduction)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("offsets", [(1, 0), (0, 3), (2, 5), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_storage_offsets(name, offsets, dtype):
+    n = 10_007
+    input = _values((n + 8,), dtype)[offsets[0] : offsets[0] + n]
+    target = _values((n + 8,), dtype)[offsets[1] : offsets[1] + n]
+    assert input.is_contiguous() and input.storage_offset() == offsets[0]
+    for reduction in REDUCTIONS:
+        _check(name, input, target, reduction)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_non_contiguous_and_broadcast_views(name):
+    base = _values((96, 130), torch.float32)
+    other = _values((130, 96), torch.float32)
+    row = _values((130,), torch.float32)
+    column = _values((96, 1), torch.bfloat16)
+    cases = [
+        (base, other.t()),  # transposed
+        (base[:, ::2], other.t()[:, 1::2]),  # strided
+        (base, row.expand(96, 130)),  # an expanded view
+        (base, row),  # broadcast (warns, like PyTorch)
+        (base, column),  # broadcast, mixed dtype
+        (base[5], _values((), torch.float32)),  # 0-d target
+    ]
+    for input, target in cases:
+        for reduction in REDUCTIONS:
+            with pytest.warns(UserWarning) if input.shape != target.shape else _no_warning():
+                _check(name, input, target, reduction)
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("name", ["smooth_l1", "huber"])
+@pytest.mark.parametrize("param", [1e-6, 0.3, 1.0, 7.5, 1e6])
+def test_both_branches_are_taken(name, param):
+    input, target = _values((50_001,), torch.float32), _values((50_001,), torch.float32)
+    d = (input - target).abs()
+    assert (d < param).any() or param < 1e-3
+    assert (d > param).any() or param > 1e3
+    for reduction in REDUCTIONS:
+        _check(name, input, target, reduction, param)
+
+
+def test_smooth_l1_beta_zero():
+    input, target = _values((5000,), torch.float32), _values((5000,), torch.float32)
+    for reduction in REDUCTIONS:
+        _check("smooth_l1", input, target, reduction, 0.0)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_nan_and_inf(name, dtype):
+    input = _values((4099,), dtype)
+    target = _values((4099,), dtype)
+    input[[3, 100, 4000]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype, device="cuda")
+    target[[100, 7]] = torch.tensor([float("inf"), float("nan")], dtype=dtype, device="cuda")
+    for reduction in REDUCTIONS:
+        out = LOSSES[name][0](input, target, reduction=reduction)
+        expected = LOSSES[name][1](input, target, reduction=reduction)
+        assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+        assert torch.equal(out[out.isinf()], expected[expected.isinf()])
+        assert_close_to_reference(out, float64_reference(name, input, target, reduction), out.dtype)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_zero_dim_and_empty(name):
+    for shape in [(), (0,), (3, 0, 2)]:
+        for reduction in REDUCTIONS:
+            _check(name, _values(shape, torch.float32), _values(shape, torch.float32), reduction)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_deterministic(name, dtype):
+    input, target = _values((3_000_017,), dtype), _values((3_000_017,), torch.float32)
+    for reduction in ("mean", "sum", "none"):
+        runs = [LOSSES[name][0](input, target, reduction=reduction).cpu().reshape(-1) for _ in range(10)]
+        assert all(torch.equal(run.view(torch.uint8), runs[0].view(torch.uint8)) for run in runs)
+
+
+def test_accuracy_at_2_to_30_elements():
+    """Relative error against float64 at 2^30 fp32 elements is at most 1e-7."""
+    p, t = bench.seed_inputs((2**15, 2**15), torch.float32, "cuda")
+    for name in LOSSES:
+        reference = bench.float64_loss(p, t, name, 1.0)
+        assert bench.relative_error(LOSSES[name][0](p, t), reference) <= 1e-7
+
+
+def test_more_than_2_to_31_elements():
+    n = 2**31 + 11
+    free, _ = torch.cuda.mem_get_info()
+    if free < 4 * n * 2 + (2 << 30):
+        pytest.skip("not enough device memory")
+    p = torch.rand(n, device="cuda", dtype=torch.bfloat16)
+    t = torch.rand(n, device="cuda", dtype=torch.bfloat16)
+    p[-5:] = 7.0  # the end of the tensor must be read
+    for name in ("mse", "huber"):
+        reference = bench.float64_loss(p, t, name, 1.0)
+        assert bench.relative_error(LOSSES[name][0](p, t, reduction="mean"), reference) < 8e-3
+        assert bench.relative_error(LOSSES[name][0](p, t, reduction="sum"), reference * n) < 8e-3
+    tail = LOSSES["mse"][0](p, t, reduction="none")[-7:]
+    assert_close_to_reference(tail, float64_reference("mse", p[-7:], t[-7:], "none"), torch.bfloat16)
+
+
+def test_runs_on_the_current_stream():
+    input, target = _values((1 << 22,), torch.float32), _values((1 << 22,), torch.float32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(10_000_000)  # a long kernel ahead of ours on the side stream
+        target.mul_(2)
+        out = LOSSES["mse"][0](input, target)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert_close_to_reference(out, float64_reference("mse", input, target, "mean"), torch.float32)
