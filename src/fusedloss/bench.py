@@ -95,6 +95,12 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e9
 
 
+def _fresh_compile(fn: Callable) -> Callable:
+    """torch.compile with a clean cache, so no case runs into dynamo's recompile limit."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def peak_memory_gib(step: Callable[[], object]) -> float:
     """Peak memory a step allocates above what was allocated before it."""
     torch.cuda.synchronize()
@@ -143,7 +149,7 @@ def bench_forward(case: Case, dtype: torch.dtype, shape: tuple[int, ...], copy_t
     reference = float64_loss(p, t, case.loss, case.param)
     fused_err = relative_error(case.fused(p, t), reference)
     eager_err = relative_error(case.eager(p, t), reference)
-    compiled = torch.compile(case.eager)
+    compiled = _fresh_compile(case.eager)
     with torch.no_grad():
         fused_ms = time_ms(lambda: case.fused(p, t))
         eager_ms = time_ms(lambda: case.eager(p, t))
@@ -158,7 +164,7 @@ def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], 
     """Forward + backward for d loss / d input; `grad_output` != 1 exercises the scaling pass."""
     p, t = seed_inputs(shape, dtype, "cuda")
     p.requires_grad_(True)
-    compiled = torch.compile(case.eager)
+    compiled = _fresh_compile(case.eager)
 
     def step(fn):
         def run():
@@ -169,7 +175,10 @@ def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], 
 
     steps = {"fused": step(case.fused), "eager": step(case.eager), "compile": step(compiled)}
     times = {name: time_ms(run, reps=10) for name, run in steps.items()}
-    peaks = {name: peak_memory_gib(run) for name, run in steps.items()}
+    peaks = {}
+    for name, run in steps.items():
+        p.grad = None  # the step's own gradient counts towards its peak
+        peaks[name] = peak_memory_gib(run)
     p.grad = None
     nbytes = p.numel() * (2 * p.element_size() + t.element_size())
     mode = "fwd+bwd" if grad_output == 1.0 else f"fwd+bwd, grad_output={grad_output:g}"
@@ -184,8 +193,7 @@ def sweep(out_dir: Path) -> list[tuple[int, float, float, float]]:
     for exponent in _progress(SWEEP_EXPONENTS, len(SWEEP_EXPONENTS), "size sweep"):
         n = 2**exponent
         p, t = seed_inputs((n,), torch.float32, "cuda")
-        torch._dynamo.reset()
-        compiled = torch.compile(_seed_mse, dynamic=False)
+        compiled = _fresh_compile(_seed_mse)
         reps = 200 if exponent < 24 else 20
         with torch.no_grad():
             results.append((

@@ -64,13 +64,23 @@ def _fused_loss(
     mode = _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
-    if not torch.compiler.is_compiling():
-        build.load()  # a compiled graph loads the kernels when it is traced (ops.py)
-    if mode == "none":
-        return torch.ops.fusedloss.pointwise_loss(input, target, loss, param)
     grad_enabled = torch.is_grad_enabled()
     output_mask = [grad_enabled and input.requires_grad, grad_enabled and target.requires_grad]
-    return torch.ops.fusedloss.reduced_loss(input, target, loss, param, mode, output_mask)[0]
+    if torch.compiler.is_compiling():
+        return _call_op(loss, param, input, target, mode, output_mask)
+    build.load()  # a compiled graph loads the kernels when it is traced (ops.py)
+    if any(output_mask):
+        return _call_op(loss, param, input, target, mode, output_mask)
+    # No gradient wanted: skip the Python autograd layer, whose overhead would
+    # dominate small losses.
+    with torch._C._AutoDispatchBelowAutograd():
+        return _call_op(loss, param, input, target, mode, output_mask)
+
+
+def _call_op(loss: str, param: float, input: Tensor, target: Tensor, mode: str, output_mask: list[bool]) -> Tensor:
+    if mode == "none":
+        return torch.ops.fusedloss.pointwise_loss.default(input, target, loss, param)
+    return torch.ops.fusedloss.reduced_loss.default(input, target, loss, param, mode, output_mask)[0]
 
 
 def mse_loss(

@@ -44,6 +44,20 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ dst, int64_t first, 
 
 // The threads of a block share [first_element, first_element + num_chunks * W)
 // in steps of kBlockThreads * U chunks.
+// For outputs read back much later (gradients): evict-first, like the loads.
+template <int W, typename T>
+__device__ __forceinline__ void store_chunk_streaming(T* __restrict__ dst, int64_t first, const T (&src)[W]) {
+  if constexpr (W * sizeof(T) % 16 == 0) {
+    uint4* words = reinterpret_cast<uint4*>(dst + first);
+    const uint4* in = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int k = 0; k < int(W * sizeof(T) / 16); ++k) __stcs(words + k, in[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < W; ++k) dst[first + k] = src[k];
+  }
+}
+
 template <int W, int U, class Op>
 __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int64_t num_chunks) {
   for (int64_t base = threadIdx.x; base < num_chunks; base += int64_t(kBlockThreads) * U) {

@@ -53,6 +53,13 @@ struct Operands {
   LossProblem problem;
 };
 
+// Skips each step that has nothing to do: this runs on every call.
+at::Tensor as_kernel_operand(const at::Tensor& t, at::ScalarType common, at::IntArrayRef shape) {
+  at::Tensor out = common == at::kDouble && t.scalar_type() != at::kDouble ? t.to(at::kDouble) : t;
+  if (out.sizes() != shape) out = out.expand(shape);
+  return out.is_contiguous() ? out : out.contiguous();
+}
+
 Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param) {
   TORCH_CHECK(input.is_cuda() && input.device() == target.device(),
               "fusedloss: input and target must be on the same CUDA device, got ", input.device(),
@@ -67,8 +74,8 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
   Operands ops;
   ops.loss_dtype = kind == LossKind::kHuber ? input.scalar_type() : common;
   const auto shape = at::infer_size(input.sizes(), target.sizes());
-  ops.input = input.to(common == at::kDouble ? at::kDouble : input.scalar_type()).expand(shape).contiguous();
-  ops.target = target.to(common == at::kDouble ? at::kDouble : target.scalar_type()).expand(shape).contiguous();
+  ops.input = as_kernel_operand(input, common, shape);
+  ops.target = as_kernel_operand(target, common, shape);
   ops.kernel_dtype = kind == LossKind::kHuber ? ops.input.scalar_type() : common;
   ops.problem = LossProblem{kind,
                             param,

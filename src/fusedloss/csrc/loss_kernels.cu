@@ -30,7 +30,7 @@ struct PairOp {
 
   const In* __restrict__ input;
   const Tgt* __restrict__ target;
-  T param;
+  LossParam<T> param;
 
   __device__ __forceinline__ T diff(const In& x, const Tgt& y) const { return to_opmath(x) - to_opmath(y); }
   template <int W>
@@ -62,18 +62,23 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) chunk_sum += Loss::value(this->diff(c.input[k], c.target[k]), this->param);
     sum += double(chunk_sum);
-    if (grad_input == nullptr && grad_target == nullptr) return;
-    alignas(16) In gi[W];
-    alignas(16) Tgt gt[W];
+    // One rounding from the fp32 product into each gradient's storage dtype.
+    if (grad_input != nullptr) {
+      alignas(16) In gi[W];
 #pragma unroll
-    for (int k = 0; k < W; ++k) {
-      // One rounding from the fp32 product into the storage dtype.
-      const T g = Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale;
-      gi[k] = Convert<In>::from(g);
-      gt[k] = Convert<Tgt>::from(-g);
+      for (int k = 0; k < W; ++k) {
+        gi[k] = Convert<In>::from(Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale);
+      }
+      store_chunk_streaming(grad_input, first, gi);
     }
-    if (grad_input != nullptr) store_chunk(grad_input, first, gi);
-    if (grad_target != nullptr) store_chunk(grad_target, first, gt);
+    if (grad_target != nullptr) {
+      alignas(16) Tgt gt[W];
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        gt[k] = Convert<Tgt>::from(-(Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale));
+      }
+      store_chunk_streaming(grad_target, first, gt);
+    }
   }
 };
 
@@ -250,7 +255,8 @@ Op make_op(const LossProblem& p) {
   Op op{};
   op.input = static_cast<const typename Op::InT*>(p.input);
   op.target = static_cast<const typename Op::TgtT*>(p.target);
-  op.param = static_cast<typename Op::T>(p.param);
+  using T = typename Op::T;
+  op.param = LossParam<T>{static_cast<T>(p.param), static_cast<T>(p.param != 0 ? 1.0 / p.param : 0.0)};
   return op;
 }
 

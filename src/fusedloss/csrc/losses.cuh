@@ -5,34 +5,42 @@
 
 namespace fusedloss {
 
+// beta or delta, and its reciprocal: a division per element would make Smooth L1
+// compute-bound on 16-bit data.
+template <typename T>
+struct LossParam {
+  T value;
+  T inverse;
+};
+
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
   template <typename T>
-  __device__ __forceinline__ static T value(T d, T) { return d * d; }
+  __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
-  __device__ __forceinline__ static T grad(T d, T) { return d + d; }
+  __device__ __forceinline__ static T grad(T d, LossParam<T>) { return d + d; }
 };
 
 struct L1Loss {
   static constexpr bool kOutputHasInputDtype = false;
   template <typename T>
-  __device__ __forceinline__ static T value(T d, T) { return fabs(d); }
+  __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
   template <typename T>
-  __device__ __forceinline__ static T grad(T d, T) { return T((d > T(0)) - (d < T(0))); }
+  __device__ __forceinline__ static T grad(T d, LossParam<T>) { return T((d > T(0)) - (d < T(0))); }
 };
 
 // beta > 0: torch.nn.functional sends beta == 0 to L1, and so does fusedloss.
 struct SmoothL1Loss {
   static constexpr bool kOutputHasInputDtype = false;
   template <typename T>
-  __device__ __forceinline__ static T value(T d, T beta) {
+  __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
-    return z < beta ? T(0.5) * z * z / beta : z - T(0.5) * beta;
+    return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
   }
   template <typename T>
-  __device__ __forceinline__ static T grad(T d, T beta) {
-    return d < -beta ? T(-1) : (d > beta ? T(1) : d / beta);
+  __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {
+    return d < -beta.value ? T(-1) : (d > beta.value ? T(1) : d * beta.inverse);
   }
 };
 
@@ -40,13 +48,13 @@ struct SmoothL1Loss {
 struct HuberLoss {
   static constexpr bool kOutputHasInputDtype = true;
   template <typename T>
-  __device__ __forceinline__ static T value(T d, T delta) {
+  __device__ __forceinline__ static T value(T d, LossParam<T> delta) {
     const T z = fabs(d);
-    return z < delta ? T(0.5) * z * z : delta * (z - T(0.5) * delta);
+    return z < delta.value ? T(0.5) * z * z : delta.value * (z - T(0.5) * delta.value);
   }
   template <typename T>
-  __device__ __forceinline__ static T grad(T d, T delta) {
-    return d < -delta ? -delta : (d > delta ? delta : d);
+  __device__ __forceinline__ static T grad(T d, LossParam<T> delta) {
+    return d < -delta.value ? -delta.value : (d > delta.value ? delta.value : d);
   }
 };
 
