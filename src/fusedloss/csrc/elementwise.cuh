@@ -96,7 +96,7 @@ __device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t ele
 // blocks balance the load across SMs better than one persistent wave (measured
 // in benchmarks/reduce_variants.py). The schedule depends only on n, the op and
 // the SM count, so a reduction's summation order is the same on every run.
-constexpr int64_t kMaxChunksPerBlock = 16384;
+constexpr int64_t kMaxChunksPerBlock = 4096;
 
 struct Schedule {
   int64_t elements_per_block;
