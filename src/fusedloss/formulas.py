@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 LOSSES = ("mse", "l1", "smooth_l1", "huber")
-REDUCTIONS = ("none", "mean", "sum")
 
 
 def loss_dtype(input_dtype: torch.dtype, target_dtype: torch.dtype, loss: str) -> torch.dtype:
