@@ -112,11 +112,15 @@ def _build_or_load() -> Path:
     return library
 
 
-def load() -> Path:
-    """Build the CUDA kernels if needed, load them once per process, and return the library's path."""
+def load() -> Path | None:
+    """Build the CUDA kernels if needed, load them once per process, and return the library's path.
+
+    Without a CUDA device there is nothing to run them on (CUDA tensors can then
+    only be fake ones, which the fake kernels serve): None.
+    """
     global _loaded_library
     if _loaded_library is None:
         with _load_lock:
-            if _loaded_library is None:
+            if _loaded_library is None and torch.cuda.is_available():
                 _loaded_library = _build_or_load()
     return _loaded_library

@@ -33,11 +33,17 @@ def torch_loss(input: Tensor, target: Tensor, loss: str, param: float, reduction
 
 def loss_grad(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
     """d loss / d input per element, in the promoted dtype; d / d target is its negative."""
+    # Broadcast first, as the losses do: a 0-d operand must not lose its dtype in promotion.
+    input, target = torch.broadcast_tensors(input, target)
     d = input - target
+    # fp32 math for 16-bit data, as the kernels do; beta or delta may not fit in fp16.
+    x = d.to(torch.promote_types(d.dtype, torch.float32))
     if loss == "mse":
-        return 2 * d
-    if loss == "l1":
-        return d.sgn()
-    if loss == "smooth_l1":
-        return (d / param).clamp(-1, 1)
-    return d.clamp(-param, param)
+        grad = 2 * x
+    elif loss == "l1":
+        grad = x.sgn()
+    elif loss == "smooth_l1":
+        grad = (x / param).clamp(-1, 1)
+    else:
+        grad = x.clamp(-param, param)
+    return grad.to(d.dtype)

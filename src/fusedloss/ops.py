@@ -57,7 +57,7 @@ def _broadcast_numel(input: Tensor, target: Tensor) -> int:
 def _load_kernels_for(device: torch.device) -> None:
     # A compiled graph calls the CUDA kernels without passing through
     # fusedloss.functional, so tracing one makes sure they are loaded.
-    if device.type == "cuda" and torch.cuda.is_available():
+    if device.type == "cuda":
         build.load()
 
 

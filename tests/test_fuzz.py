@@ -1,0 +1,148 @@
+"""Property-based comparison with torch.nn.functional (hypothesis).
+
+Random shapes (0-d, empty, up to 5-D), views (transposed, strided, offset),
+broadcasting, dtype pairs, reductions, beta/delta (0, tiny, huge) and values
+with NaN and +-inf. Losses, both gradients, warnings and errors must match
+PyTorch. On the CPU the fused path runs through the operators' reference
+kernels (fixture `fused_cpu`); with a GPU it runs the CUDA kernels.
+
+FUSEDLOSS_FUZZ_EXAMPLES sets the number of examples per test (default 150).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fusedloss import build, functional
+
+from conftest import LOSSES, TOLERANCE, requires_cuda
+
+EXAMPLES = int(os.environ.get("FUSEDLOSS_FUZZ_EXAMPLES", "150"))
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-30, 1e30, float("nan"), float("inf"), -float("inf")]
+
+fuzz_settings = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
+                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=["fused-cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request, monkeypatch):
+    if request.param == "fused-cpu":
+        monkeypatch.setattr(build, "load", lambda: None)
+        monkeypatch.setattr(
+            functional,
+            "_kernels_apply",
+            lambda input, target, weight: weight is None
+            and input.device == target.device
+            and input.dtype in functional._KERNEL_DTYPES
+            and target.dtype in functional._KERNEL_DTYPES,
+        )
+        return "cpu"
+    return request.param
+
+
+@st.composite
+def operands(draw):
+    """An (input, target) pair: broadcast-compatible shapes, dtypes, values and views."""
+    rank = draw(st.integers(0, 5))
+    shape = [draw(st.integers(0, 3)) if draw(st.booleans()) else draw(st.integers(1, 7)) for _ in range(rank)]
+    # The other operand drops leading dims and turns some sizes into 1: broadcasting.
+    drop = draw(st.integers(0, rank))
+    other = [1 if draw(st.integers(0, 4)) == 0 else size for size in shape[drop:]]
+    shapes = [shape, other] if draw(st.booleans()) else [other, shape]
+    return [_operand(draw, shape) for shape in shapes]
+
+
+def _operand(draw, shape):
+    numel = 1
+    for size in shape:
+        numel *= size
+    dtype = draw(st.sampled_from(DTYPES))
+    base = torch.randn(2 * numel + 2, dtype=torch.float64) * draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    for index, value in draw(st.lists(st.tuples(st.integers(0, 2 * numel + 1), st.sampled_from(SPECIAL)),
+                                      max_size=3)):
+        base[index] = value
+    base = base.to(dtype)  # before taking the view: .to() would make it contiguous
+    view = draw(st.sampled_from(["contiguous", "offset", "strided", "transposed"]))
+    if view == "offset":  # a storage offset that breaks 16-byte alignment
+        return base[1 : 1 + numel].view(shape)
+    if view == "strided":
+        return base[: 2 * numel : 2].view(shape) if numel else base[:0].view(shape)
+    if view == "transposed":
+        return base[:numel].view(shape[::-1]).permute(list(reversed(range(len(shape)))))
+    return base[:numel].view(shape)
+
+
+def _run(fn, input, target, grad_for, **kwargs):
+    """Loss, gradients (or the backward's error), warnings and error of one call."""
+    input = input.detach().requires_grad_(grad_for[0])
+    target = target.detach().requires_grad_(grad_for[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = fn(input, target, **kwargs)
+        except Exception as error:  # the error itself is what is compared
+            return None, None, [str(w.message) for w in caught], (type(error), str(error))
+        grads = None
+        if out.requires_grad:
+            wanted = [t for t, g in zip((input, target), grad_for) if g]
+            try:
+                grads = torch.autograd.grad(out.sum(), wanted, allow_unused=True)
+            except RuntimeError as error:
+                grads = error
+    return out, grads, [str(w.message) for w in caught], None
+
+
+def _float64_gradients(name, input, target, grad_for, reduction, param):
+    """PyTorch's formula on float64 copies, cast back to each operand's dtype."""
+    from fusedloss import formulas
+
+    copies = [t.detach().double().requires_grad_(g) for t, g in zip((input, target), grad_for)]
+    loss = "l1" if name == "smooth_l1" and param == 0 else name
+    out = formulas.torch_loss(*copies, loss, param, reduction)
+    grads = torch.autograd.grad(out.sum(), [c for c in copies if c.requires_grad])
+    originals = [t for t, g in zip((input, target), grad_for) if g]
+    return [g.to(t.dtype) for g, t in zip(grads, originals)]
+
+
+def _close(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    rtol, atol = TOLERANCE[expected.dtype]
+    # Both sides round differently in 16-bit types; compare in float64 against the looser of the two.
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol * 4, atol=atol * 4, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@fuzz_settings
+@given(pair=operands(), reduction=st.sampled_from(["none", "mean", "sum"]),
+       param=st.sampled_from([0.0, 1e-6, 0.5, 1.0, 3.0, 1e6, -1.0]), grad_for=st.tuples(st.booleans(), st.booleans()))
+def test_matches_torch(device, name, pair, reduction, param, grad_for):
+    ours, theirs, keyword = LOSSES[name]
+    input, target = (t.to(device) for t in pair)
+    grad_for = tuple(g and t.dtype.is_floating_point for g, t in zip(grad_for, (input, target)))
+    kwargs = {"reduction": reduction, **({keyword: param} if keyword else {})}
+    out, grads, our_warnings, our_error = _run(ours, input, target, grad_for, **kwargs)
+    expected, expected_grads, their_warnings, their_error = _run(theirs, input, target, grad_for, **kwargs)
+    assert our_error == their_error
+    assert our_warnings == their_warnings
+    if expected is None:
+        return
+    _close(out, expected)
+    if isinstance(expected_grads, RuntimeError):
+        # PyTorch's own backward fails for some mixed dtypes (huber_loss with an fp32
+        # input and an fp64 target that requires grad); check against float64 instead.
+        assert "expected" in str(expected_grads)
+        expected_grads = _float64_gradients(name, input, target, grad_for, reduction, param)
+    if expected_grads is not None:
+        assert not isinstance(grads, RuntimeError), grads
+        for grad, expected_grad in zip(grads, expected_grads):
+            if expected_grad is None:
+                assert grad is None or not grad.any()
+            else:
+                _close(grad, expected_grad)
