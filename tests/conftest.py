@@ -32,6 +32,23 @@ LOSSES = {
 }
 
 
+@pytest.fixture
+def fused_cpu(monkeypatch):
+    """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops'
+    CPU reference kernels, as CUDA tensors go through them to the CUDA kernels."""
+    from fusedloss import build, functional
+
+    monkeypatch.setattr(build, "load", lambda: None)
+    monkeypatch.setattr(
+        functional,
+        "_kernels_apply",
+        lambda input, target, weight: weight is None
+        and input.device == target.device
+        and input.dtype in functional._KERNEL_DTYPES
+        and target.dtype in functional._KERNEL_DTYPES,
+    )
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed():
     """A new seed every run; printed so a failure can be replayed."""

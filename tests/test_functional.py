@@ -16,26 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import fusedloss
-from fusedloss import build, functional
+from fusedloss import functional
 
 from conftest import DTYPE_PAIRS, LOSSES, TOLERANCE, heavy_tailed, loss_kwargs, requires_cuda
 
 REDUCTIONS = ("none", "mean", "sum")
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 33), (4, 1, 17)]
-
-
-@pytest.fixture
-def fused_cpu(monkeypatch):
-    """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops."""
-    monkeypatch.setattr(build, "load", lambda: None)
-    monkeypatch.setattr(
-        functional,
-        "_kernels_apply",
-        lambda input, target, weight: weight is None
-        and input.device == target.device
-        and input.dtype in functional._KERNEL_DTYPES
-        and target.dtype in functional._KERNEL_DTYPES,
-    )
 
 
 @pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])

@@ -19,7 +19,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusedloss import build, functional
 
 from conftest import LOSSES, TOLERANCE, requires_cuda
 
@@ -32,17 +31,9 @@ fuzz_settings = settings(max_examples=EXAMPLES, deadline=None, derandomize=False
 
 
 @pytest.fixture(params=["fused-cpu", pytest.param("cuda", marks=requires_cuda)])
-def device(request, monkeypatch):
+def device(request):
     if request.param == "fused-cpu":
-        monkeypatch.setattr(build, "load", lambda: None)
-        monkeypatch.setattr(
-            functional,
-            "_kernels_apply",
-            lambda input, target, weight: weight is None
-            and input.device == target.device
-            and input.dtype in functional._KERNEL_DTYPES
-            and target.dtype in functional._KERNEL_DTYPES,
-        )
+        request.getfixturevalue("fused_cpu")
         return "cpu"
     return request.param
 
