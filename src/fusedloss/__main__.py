@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
             print("fusedloss build: no CUDA device, nothing to build for.")
             return 1
         start = time.perf_counter()
-        library = build.load()
+        try:
+            library = build.load()
+        except build.KernelsUnavailableError as error:
+            print(f"fusedloss build failed: {error}")
+            return 1
         print(f"fusedloss kernels ready in {time.perf_counter() - start:.1f} s: {library}")
         return 0
 

@@ -4,7 +4,8 @@ On CUDA, float16, bfloat16, float32 and float64 operands (mixed pairs too)
 run on fusedloss's kernels. Everything else (CPU and other devices, other
 dtypes, tensor subclasses, ``weight``, invalid beta or delta, operands on
 different devices) is handed to ``torch.nn.functional`` unchanged, so results,
-warnings and errors there are PyTorch's own.
+warnings and errors there are PyTorch's own. So is everything when the kernels
+cannot be built (see ``build.use_kernels``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _kernels_apply(input: Tensor, target: Tensor, weight: Tensor | None) -> bool
         and target.device == input.device
         and input.dtype in _KERNEL_DTYPES
         and target.dtype in _KERNEL_DTYPES
+        and build.use_kernels()
     )
 
 
@@ -66,10 +68,7 @@ def _fused_loss(
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
     grad_enabled = torch.is_grad_enabled()
     output_mask = [grad_enabled and input.requires_grad, grad_enabled and target.requires_grad]
-    if torch.compiler.is_compiling():
-        return _call_op(loss, param, input, target, mode, output_mask)
-    build.load()  # a compiled graph loads the kernels when it is traced (ops.py)
-    if any(output_mask):
+    if any(output_mask) or torch.compiler.is_compiling():
         return _call_op(loss, param, input, target, mode, output_mask)
     # No gradient wanted: skip the Python autograd layer, whose overhead would
     # dominate small losses.
