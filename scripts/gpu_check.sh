@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device runs, logs under $OUT. Each part fits one 10-minute device call:
 #   bash scripts/gpu_check.sh tests [pytest args]   first build (timed, empty cache) + the test suite
-#   bash scripts/gpu_check.sh bench [bench args]    python -m fusedloss bench
+#   bash scripts/gpu_check.sh stress                2,000 fuzz examples on the GPU + 8-process first use
+#   bash scripts/gpu_check.sh bench [bench args]    python -m fusedloss bench, GPU clocks logged alongside
 set -uo pipefail
 part=$1; shift
 OUT=${OUT:-gpu-out}
@@ -20,7 +21,17 @@ case $part in
     } 2>&1 | tee "$OUT/build.log"
     python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" | tail -60
     ;;
+  stress)
+    python3 scripts/concurrent_first_use.py --processes 8 2>&1 | tee "$OUT/concurrent_first_use.log"
+    # 500 examples per loss, 4 losses: 2,000 on the GPU
+    FUSEDLOSS_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-500} python3 -m pytest -q -p no:cacheprovider tests/test_fuzz.py \
+      -k cuda --hypothesis-show-statistics 2>&1 | tee "$OUT/fuzz_gpu.log" | grep -E "passed|failed|examples|error" | tail -30
+    ;;
   bench)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active \
+      --format=csv -lms 500 > "$OUT/gpu_clocks.csv" 2>&1 &
+    smi=$!
     python3 -m fusedloss bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "it/s\]" | tail -70
+    kill $smi
     ;;
 esac

@@ -1,0 +1,105 @@
+"""Memory over many steps, and inputs past 2^31 elements or as large as the GPU holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedloss import build, formulas
+
+from conftest import LOSSES, loss_kwargs, requires_cuda
+
+pytestmark = requires_cuda
+PARAMS = {"mse": 1.0, "l1": 1.0, "smooth_l1": 0.5, "huber": 2.0}
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    build.load()
+    yield
+    torch.cuda.empty_cache()
+
+
+def _needs_memory(nbytes: int) -> None:
+    free, _ = torch.cuda.mem_get_info()
+    if free < nbytes:
+        pytest.skip(f"needs {nbytes / GIB:.0f} GiB of free GPU memory, {free / GIB:.0f} GiB free")
+
+
+def _loss(name, input, target, reduction="mean"):
+    return LOSSES[name][0](input, target, reduction=reduction, **loss_kwargs(name, PARAMS[name]))
+
+
+def _chunked_float64(name, input, target, reduction, chunk=1 << 26):
+    """PyTorch's formula in float64 over `chunk` elements at a time; the sum stays on the GPU."""
+    total = torch.zeros((), dtype=torch.float64, device=input.device)
+    for start in range(0, input.numel(), chunk):
+        total += formulas.torch_loss(input[start : start + chunk].double(), target[start : start + chunk].double(),
+                                     name, PARAMS[name], "sum")
+    return total / input.numel() if reduction == "mean" else total
+
+
+def test_ten_thousand_training_steps_leave_memory_flat():
+    input = torch.randn(1000, 37, device="cuda") * 3
+    target = torch.randn(37, device="cuda")
+    steps = [(name, reduction, scale) for name in LOSSES for reduction in ("none", "mean", "sum")
+             for scale in (1.0, 0.5)]
+
+    def run(count):
+        for index in range(count):
+            name, reduction, scale = steps[index % len(steps)]
+            leaf, leaf_target = input.detach().requires_grad_(), target.detach().requires_grad_()
+            out = _loss(name, leaf, leaf_target, reduction)
+            out.backward(torch.full_like(out, scale))
+
+    run(len(steps) * 4)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    run(10_000)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_more_than_2_31_elements_with_gradients():
+    n = (1 << 31) + 9  # odd, and past int32 indexing
+    _needs_memory(3 * 4 * n + 8 * GIB)
+    storage = torch.randn(n + 1, device="cuda") * 3
+    input = storage[1:].requires_grad_()  # a misaligned view
+    target = torch.randn(n, device="cuda")
+    for name in LOSSES:
+        input.grad = None
+        out = _loss(name, input, target)
+        out.backward()
+        expected = _chunked_float64(name, input.detach(), target, "mean")
+        torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=0)
+        for start in (0, (1 << 31) - 5, n - 1000):  # including the elements past 2^31
+            grad = formulas.loss_grad(input[start : start + 1000].detach().double(),
+                                      target[start : start + 1000].double(), name, PARAMS[name]) / n
+            torch.testing.assert_close(input.grad[start : start + 1000].double(), grad, rtol=2e-6, atol=1e-30)
+    input.grad = None
+    with torch.no_grad():
+        pointwise = _loss("huber", input, target, reduction="none")
+        tail = slice(n - 4097, n)
+        torch.testing.assert_close(pointwise[tail].double(), formulas.torch_loss(
+            input[tail].double(), target[tail].double(), "huber", PARAMS["huber"], "none"), rtol=2e-6, atol=1e-30)
+        torch.testing.assert_close(_loss("mse", input, target, "sum").double(),
+                                   _chunked_float64("mse", input, target, "sum"), rtol=2e-6, atol=0)
+
+
+def test_the_largest_float16_pair_that_fits():
+    free, _ = torch.cuda.mem_get_info()
+    n = (free - 8 * GIB) // 4 - 3  # two fp16 operands; 8 GiB left for the float64 reference's chunks
+    if n < 1 << 31:
+        pytest.skip(f"only {free / GIB:.0f} GiB of free GPU memory")
+    input = torch.randn(n, dtype=torch.float16, device="cuda")
+    target = torch.randn(n, dtype=torch.float16, device="cuda")
+    input *= 3
+    with torch.no_grad():
+        for name in LOSSES:
+            out = _loss(name, input, target)
+            assert out.dtype == torch.float16
+            expected = _chunked_float64(name, input, target, "mean")
+            # one fp16 rounding of the result: 2^-11 relative
+            torch.testing.assert_close(out.double(), expected, rtol=2**-11, atol=0)
+    print(f"largest float16 pair: 2 x {n} elements ({4 * n / GIB:.1f} GiB)")
