@@ -134,14 +134,16 @@ int current_device_sm_count() {
 // (the slower path copies views that are not), and both fp64 when either is.
 struct Operands {
   at::Tensor input, target;
-  at::ScalarType loss_dtype;    // what PyTorch returns
-  at::ScalarType kernel_dtype;  // what the kernel writes for the loss
+  at::ScalarType loss_dtype;  // what PyTorch returns, and what the kernels write
   LossProblem problem;
 };
 
-// Skips each step that has nothing to do: this runs on every call.
+// Skips each step that has nothing to do: this runs on every call. The kernels
+// take fp64 only paired with fp64, so pairs with one fp64 side meet in `common`
+// here; other mixed pairs are read as they are.
 at::Tensor as_kernel_operand(const at::Tensor& t, at::ScalarType common, at::IntArrayRef shape) {
-  at::Tensor out = common == at::kDouble && t.scalar_type() != at::kDouble ? t.to(at::kDouble) : t;
+  const bool fp64_pair = common == at::kDouble || t.scalar_type() == at::kDouble;
+  at::Tensor out = fp64_pair && t.scalar_type() != common ? t.to(common) : t;
   if (out.sizes() != shape) out = out.expand(shape);
   return out.is_contiguous() ? out : out.contiguous();
 }
@@ -155,14 +157,17 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
   TORCH_CHECK(kind != LossKind::kHuber || param > 0, "fusedloss: huber needs delta > 0, got ", param);
   (void)to_dtype(input.scalar_type());  // rejects dtypes the kernels don't take
   (void)to_dtype(target.scalar_type());
-  const at::ScalarType common = at::promote_types(input.scalar_type(), target.scalar_type());
+  // PyTorch computes Huber in the input's dtype (the target is converted to it),
+  // the other losses in the promoted dtype.
+  const at::ScalarType common = kind == LossKind::kHuber
+                                    ? input.scalar_type()
+                                    : at::promote_types(input.scalar_type(), target.scalar_type());
 
   Operands ops;
-  ops.loss_dtype = kind == LossKind::kHuber ? input.scalar_type() : common;
+  ops.loss_dtype = common;
   const auto shape = at::infer_size(input.sizes(), target.sizes());
   ops.input = as_kernel_operand(input, common, shape);
   ops.target = as_kernel_operand(target, common, shape);
-  ops.kernel_dtype = kind == LossKind::kHuber ? ops.input.scalar_type() : common;
   ops.problem = LossProblem{kind,
                             param,
                             ops.input.data_ptr(),
@@ -186,9 +191,9 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
                           double param) {
   const c10::cuda::CUDAGuard guard(input.device());
   Operands ops = prepare(input, target, loss, param);
-  at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.kernel_dtype));
+  at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.loss_dtype));
   C10_CUDA_CHECK(launch_pointwise_loss(ops.problem, out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
-  return out.to(ops.loss_dtype);
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
@@ -201,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
   TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
               ", expected ", input.device());
   // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
-  at::Tensor go = grad_output.to(ops.kernel_dtype).expand(ops.input.sizes());
+  at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
   const bool go_is_scalar = go.numel() > 0 && std::all_of(go.strides().begin(), go.strides().end(),
                                                           [](int64_t s) { return s == 0; });
   go = go_is_scalar ? go.as_strided({1}, {1}) : go.contiguous();
@@ -371,11 +376,23 @@ struct Convert<__nv_bfloat16> {
   __device__ __forceinline__ static __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
 };
 
+// x as PyTorch's fp16 kernels hold an intermediate: they round after every
+// operation, and fp16's narrow range makes that visible as overflow to inf. For
+// other loss dtypes x is kept; fusedloss rounds once, at the end.
+template <typename LossDtype, typename T>
+__device__ __forceinline__ T fp16_intermediate(T x) {
+  if constexpr (std::is_same_v<LossDtype, __half>) {
+    return to_opmath(Convert<__half>::from(x));
+  } else {
+    return x;
+  }
+}
+
 }  // namespace fusedloss
 
 // The four losses as functions of d = input - target. `value` and `grad`
 // (d loss / d input) follow PyTorch's kernels branch for branch, so NaN and the
-// region boundaries land where PyTorch puts them.
+// region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
 
 namespace fusedloss {
 
@@ -389,7 +406,7 @@ struct LossParam {
 
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return d + d; }
@@ -397,7 +414,7 @@ struct MseLoss {
 
 struct L1Loss {
   static constexpr bool kOutputHasInputDtype = false;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
   template <typename T>
@@ -407,10 +424,10 @@ struct L1Loss {
 // beta > 0: torch.nn.functional sends beta == 0 to L1, and so does fusedloss.
 struct SmoothL1Loss {
   static constexpr bool kOutputHasInputDtype = false;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
-    return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
+    return z < beta.value ? fp16_intermediate<Out>(T(0.5) * z * z) * beta.inverse : z - T(0.5) * beta.value;
   }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {
@@ -421,7 +438,7 @@ struct SmoothL1Loss {
 // PyTorch's huber_loss returns the input's dtype, not the promoted one.
 struct HuberLoss {
   static constexpr bool kOutputHasInputDtype = true;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> delta) {
     const T z = fabs(d);
     return z < delta.value ? T(0.5) * z * z : delta.value * (z - T(0.5) * delta.value);
@@ -599,7 +616,23 @@ struct PairOp {
   const Tgt* __restrict__ target;
   LossParam<T> param;
 
-  __device__ __forceinline__ T diff(const In& x, const Tgt& y) const { return to_opmath(x) - to_opmath(y); }
+  // As PyTorch does: each operand in the loss's dtype (this narrows Huber's
+  // target to the input's dtype), and the difference as its fp16 kernels hold it.
+  template <typename V>
+  __device__ __forceinline__ static T as_loss_dtype(const V& v) {
+    if constexpr (std::is_same_v<V, Out> || sizeof(V) < sizeof(Out)) {
+      return to_opmath(v);
+    } else {
+      return to_opmath(Convert<Out>::from(to_opmath(v)));
+    }
+  }
+  __device__ __forceinline__ T diff(const In& x, const Tgt& y) const {
+    return fp16_intermediate<Out>(as_loss_dtype(x) - as_loss_dtype(y));
+  }
+  __device__ __forceinline__ T value(const In& x, const Tgt& y) const {
+    return Loss::template value<Out>(diff(x, y), param);
+  }
+  __device__ __forceinline__ T grad(const In& x, const Tgt& y) const { return Loss::grad(diff(x, y), param); }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
     load_chunk(c.input, input, first);
@@ -627,14 +660,14 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) {
     T chunk_sum = 0;
 #pragma unroll
-    for (int k = 0; k < W; ++k) chunk_sum += Loss::value(this->diff(c.input[k], c.target[k]), this->param);
+    for (int k = 0; k < W; ++k) chunk_sum += this->value(c.input[k], c.target[k]);
     sum += double(chunk_sum);
     // One rounding from the fp32 product into each gradient's storage dtype.
     if (grad_input != nullptr) {
       alignas(16) In gi[W];
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        gi[k] = Convert<In>::from(Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale);
+        gi[k] = Convert<In>::from(this->grad(c.input[k], c.target[k]) * grad_scale);
       }
       store_chunk_streaming(grad_input, first, gi);
     }
@@ -642,7 +675,7 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
       alignas(16) Tgt gt[W];
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        gt[k] = Convert<Tgt>::from(-(Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale));
+        gt[k] = Convert<Tgt>::from(-(this->grad(c.input[k], c.target[k]) * grad_scale));
       }
       store_chunk_streaming(grad_target, first, gt);
     }
@@ -667,7 +700,7 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
     alignas(16) Out values[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      values[k] = Convert<Out>::from(Loss::value(this->diff(c.input[k], c.target[k]), this->param));
+      values[k] = Convert<Out>::from(this->value(c.input[k], c.target[k]));
     }
     store_chunk(out, first, values);
   }
@@ -700,7 +733,7 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
-      const T g = Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * go;
+      const T g = this->grad(c.input[k], c.target[k]) * go;
       gi[k] = Convert<In>::from(g);
       gt[k] = Convert<Tgt>::from(-g);
     }
@@ -823,7 +856,9 @@ Op make_op(const LossProblem& p) {
   op.input = static_cast<const typename Op::InT*>(p.input);
   op.target = static_cast<const typename Op::TgtT*>(p.target);
   using T = typename Op::T;
-  op.param = LossParam<T>{static_cast<T>(p.param), static_cast<T>(p.param != 0 ? 1.0 / p.param : 0.0)};
+  // PyTorch converts beta or delta to the loss's dtype (1e6 is inf in fp16).
+  const T param = to_opmath(Convert<typename Op::Out>::from(static_cast<T>(p.param)));
+  op.param = LossParam<T>{param, param != T(0) ? T(1) / param : T(0)};
   return op;
 }
 

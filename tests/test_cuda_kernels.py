@@ -178,3 +178,40 @@ def test_runs_on_the_current_stream():
         out = LOSSES["mse"][0](input, target)
     torch.cuda.current_stream().wait_stream(stream)
     assert_close_to_reference(out, float64_reference("mse", input, target, "mean"), torch.float32)
+
+
+# Where a dtype's range is exceeded, PyTorch's own conversions decide the result:
+# Huber's target becomes the input's dtype, beta and delta become the loss's
+# dtype, and an fp16 difference can overflow. (name, input dtype, target dtype, param)
+CONVERSION_CASES = [
+    ("huber", torch.float16, torch.float32, 1e6),  # delta and target 1e30 are inf in fp16: NaN
+    ("huber", torch.float16, torch.float32, 0.5),
+    ("huber", torch.bfloat16, torch.float16, 2.0),
+    ("huber", torch.float32, torch.float64, 1.0),  # target 1e300 is inf in fp32
+    ("huber", torch.float16, torch.float16, 1e6),
+    ("mse", torch.float16, torch.float16, 0.0),
+    ("l1", torch.float16, torch.float16, 0.0),
+    ("smooth_l1", torch.float16, torch.float16, 0.5),
+    ("smooth_l1", torch.float16, torch.float16, 1e6),  # beta is inf in fp16: the quadratic part is 0
+    ("smooth_l1", torch.bfloat16, torch.bfloat16, 0.3),  # beta rounds to 0.30078125 in bf16
+]
+
+
+@pytest.mark.parametrize("name, input_dtype, target_dtype, param", CONVERSION_CASES, ids=str)
+def test_dtype_conversions_follow_pytorch(name, input_dtype, target_dtype, param):
+    big = {torch.float16: 60000.0, torch.bfloat16: 1e30, torch.float32: 1e30, torch.float64: 1e300}
+    input = torch.tensor([0.0021, 1.0, -3.0, big[input_dtype], -big[input_dtype], 0.3, 0.29, 7.0, 0.0],
+                         dtype=torch.float64)
+    target = torch.tensor([big[target_dtype], 0.5, 1.0, -big[input_dtype], big[input_dtype], 0.0, 0.0, -1.0, 0.0],
+                          dtype=torch.float64)
+    input = input.to(input_dtype).cuda().requires_grad_()
+    target = target.to(target_dtype).cuda()
+    ours_fn, theirs_fn, _ = LOSSES[name]
+    kwargs = loss_kwargs(name, param)
+    ours, theirs = ours_fn(input, target, reduction="none", **kwargs), theirs_fn(input, target, reduction="none",
+                                                                                 **kwargs)
+    assert ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs, equal_nan=True, rtol=4e-3, atol=1e-6)
+    (ours_grad,) = torch.autograd.grad(ours.sum(), input)
+    (theirs_grad,) = torch.autograd.grad(theirs.sum(), input)
+    torch.testing.assert_close(ours_grad, theirs_grad, equal_nan=True, rtol=4e-3, atol=1e-6)

@@ -75,7 +75,8 @@ def test_cuda_graph_on_cuda1():
         with torch.cuda.stream(stream):
             fusedloss.huber_loss(input, target)  # warm-up outside capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # torch.cuda.graph's default capture stream lives on the device of its first use
+        with torch.cuda.graph(graph, stream=stream):
             out = fusedloss.huber_loss(input, target)
     input.copy_(heavy_tailed((4099,), device="cuda:1"))
     graph.replay()

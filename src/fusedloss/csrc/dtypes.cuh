@@ -47,4 +47,16 @@ struct Convert<__nv_bfloat16> {
   __device__ __forceinline__ static __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
 };
 
+// x as PyTorch's fp16 kernels hold an intermediate: they round after every
+// operation, and fp16's narrow range makes that visible as overflow to inf. For
+// other loss dtypes x is kept; fusedloss rounds once, at the end.
+template <typename LossDtype, typename T>
+__device__ __forceinline__ T fp16_intermediate(T x) {
+  if constexpr (std::is_same_v<LossDtype, __half>) {
+    return to_opmath(Convert<__half>::from(x));
+  } else {
+    return x;
+  }
+}
+
 }  // namespace fusedloss

@@ -48,14 +48,16 @@ int current_device_sm_count() {
 // (the slower path copies views that are not), and both fp64 when either is.
 struct Operands {
   at::Tensor input, target;
-  at::ScalarType loss_dtype;    // what PyTorch returns
-  at::ScalarType kernel_dtype;  // what the kernel writes for the loss
+  at::ScalarType loss_dtype;  // what PyTorch returns, and what the kernels write
   LossProblem problem;
 };
 
-// Skips each step that has nothing to do: this runs on every call.
+// Skips each step that has nothing to do: this runs on every call. The kernels
+// take fp64 only paired with fp64, so pairs with one fp64 side meet in `common`
+// here; other mixed pairs are read as they are.
 at::Tensor as_kernel_operand(const at::Tensor& t, at::ScalarType common, at::IntArrayRef shape) {
-  at::Tensor out = common == at::kDouble && t.scalar_type() != at::kDouble ? t.to(at::kDouble) : t;
+  const bool fp64_pair = common == at::kDouble || t.scalar_type() == at::kDouble;
+  at::Tensor out = fp64_pair && t.scalar_type() != common ? t.to(common) : t;
   if (out.sizes() != shape) out = out.expand(shape);
   return out.is_contiguous() ? out : out.contiguous();
 }
@@ -69,14 +71,17 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
   TORCH_CHECK(kind != LossKind::kHuber || param > 0, "fusedloss: huber needs delta > 0, got ", param);
   (void)to_dtype(input.scalar_type());  // rejects dtypes the kernels don't take
   (void)to_dtype(target.scalar_type());
-  const at::ScalarType common = at::promote_types(input.scalar_type(), target.scalar_type());
+  // PyTorch computes Huber in the input's dtype (the target is converted to it),
+  // the other losses in the promoted dtype.
+  const at::ScalarType common = kind == LossKind::kHuber
+                                    ? input.scalar_type()
+                                    : at::promote_types(input.scalar_type(), target.scalar_type());
 
   Operands ops;
-  ops.loss_dtype = kind == LossKind::kHuber ? input.scalar_type() : common;
+  ops.loss_dtype = common;
   const auto shape = at::infer_size(input.sizes(), target.sizes());
   ops.input = as_kernel_operand(input, common, shape);
   ops.target = as_kernel_operand(target, common, shape);
-  ops.kernel_dtype = kind == LossKind::kHuber ? ops.input.scalar_type() : common;
   ops.problem = LossProblem{kind,
                             param,
                             ops.input.data_ptr(),
@@ -100,9 +105,9 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
                           double param) {
   const c10::cuda::CUDAGuard guard(input.device());
   Operands ops = prepare(input, target, loss, param);
-  at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.kernel_dtype));
+  at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.loss_dtype));
   C10_CUDA_CHECK(launch_pointwise_loss(ops.problem, out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
-  return out.to(ops.loss_dtype);
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
@@ -115,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
   TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
               ", expected ", input.device());
   // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
-  at::Tensor go = grad_output.to(ops.kernel_dtype).expand(ops.input.sizes());
+  at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
   const bool go_is_scalar = go.numel() > 0 && std::all_of(go.strides().begin(), go.strides().end(),
                                                           [](int64_t s) { return s == 0; });
   go = go_is_scalar ? go.as_strided({1}, {1}) : go.contiguous();

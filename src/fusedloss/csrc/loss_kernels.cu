@@ -32,7 +32,23 @@ struct PairOp {
   const Tgt* __restrict__ target;
   LossParam<T> param;
 
-  __device__ __forceinline__ T diff(const In& x, const Tgt& y) const { return to_opmath(x) - to_opmath(y); }
+  // As PyTorch does: each operand in the loss's dtype (this narrows Huber's
+  // target to the input's dtype), and the difference as its fp16 kernels hold it.
+  template <typename V>
+  __device__ __forceinline__ static T as_loss_dtype(const V& v) {
+    if constexpr (std::is_same_v<V, Out> || sizeof(V) < sizeof(Out)) {
+      return to_opmath(v);
+    } else {
+      return to_opmath(Convert<Out>::from(to_opmath(v)));
+    }
+  }
+  __device__ __forceinline__ T diff(const In& x, const Tgt& y) const {
+    return fp16_intermediate<Out>(as_loss_dtype(x) - as_loss_dtype(y));
+  }
+  __device__ __forceinline__ T value(const In& x, const Tgt& y) const {
+    return Loss::template value<Out>(diff(x, y), param);
+  }
+  __device__ __forceinline__ T grad(const In& x, const Tgt& y) const { return Loss::grad(diff(x, y), param); }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
     load_chunk(c.input, input, first);
@@ -60,14 +76,14 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) {
     T chunk_sum = 0;
 #pragma unroll
-    for (int k = 0; k < W; ++k) chunk_sum += Loss::value(this->diff(c.input[k], c.target[k]), this->param);
+    for (int k = 0; k < W; ++k) chunk_sum += this->value(c.input[k], c.target[k]);
     sum += double(chunk_sum);
     // One rounding from the fp32 product into each gradient's storage dtype.
     if (grad_input != nullptr) {
       alignas(16) In gi[W];
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        gi[k] = Convert<In>::from(Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale);
+        gi[k] = Convert<In>::from(this->grad(c.input[k], c.target[k]) * grad_scale);
       }
       store_chunk_streaming(grad_input, first, gi);
     }
@@ -75,7 +91,7 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
       alignas(16) Tgt gt[W];
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        gt[k] = Convert<Tgt>::from(-(Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * grad_scale));
+        gt[k] = Convert<Tgt>::from(-(this->grad(c.input[k], c.target[k]) * grad_scale));
       }
       store_chunk_streaming(grad_target, first, gt);
     }
@@ -100,7 +116,7 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
     alignas(16) Out values[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      values[k] = Convert<Out>::from(Loss::value(this->diff(c.input[k], c.target[k]), this->param));
+      values[k] = Convert<Out>::from(this->value(c.input[k], c.target[k]));
     }
     store_chunk(out, first, values);
   }
@@ -133,7 +149,7 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
-      const T g = Loss::grad(this->diff(c.input[k], c.target[k]), this->param) * go;
+      const T g = this->grad(c.input[k], c.target[k]) * go;
       gi[k] = Convert<In>::from(g);
       gt[k] = Convert<Tgt>::from(-g);
     }
@@ -256,7 +272,9 @@ Op make_op(const LossProblem& p) {
   op.input = static_cast<const typename Op::InT*>(p.input);
   op.target = static_cast<const typename Op::TgtT*>(p.target);
   using T = typename Op::T;
-  op.param = LossParam<T>{static_cast<T>(p.param), static_cast<T>(p.param != 0 ? 1.0 / p.param : 0.0)};
+  // PyTorch converts beta or delta to the loss's dtype (1e6 is inf in fp16).
+  const T param = to_opmath(Convert<typename Op::Out>::from(static_cast<T>(p.param)));
+  op.param = LossParam<T>{param, param != T(0) ? T(1) / param : T(0)};
   return op;
 }
 

@@ -1,6 +1,6 @@
 // The four losses as functions of d = input - target. `value` and `grad`
 // (d loss / d input) follow PyTorch's kernels branch for branch, so NaN and the
-// region boundaries land where PyTorch puts them.
+// region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
 #pragma once
 
 namespace fusedloss {
@@ -15,7 +15,7 @@ struct LossParam {
 
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return d + d; }
@@ -23,7 +23,7 @@ struct MseLoss {
 
 struct L1Loss {
   static constexpr bool kOutputHasInputDtype = false;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
   template <typename T>
@@ -33,10 +33,10 @@ struct L1Loss {
 // beta > 0: torch.nn.functional sends beta == 0 to L1, and so does fusedloss.
 struct SmoothL1Loss {
   static constexpr bool kOutputHasInputDtype = false;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
-    return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
+    return z < beta.value ? fp16_intermediate<Out>(T(0.5) * z * z) * beta.inverse : z - T(0.5) * beta.value;
   }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {
@@ -47,7 +47,7 @@ struct SmoothL1Loss {
 // PyTorch's huber_loss returns the input's dtype, not the promoted one.
 struct HuberLoss {
   static constexpr bool kOutputHasInputDtype = true;
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> delta) {
     const T z = fabs(d);
     return z < delta.value ? T(0.5) * z * z : delta.value * (z - T(0.5) * delta.value);
