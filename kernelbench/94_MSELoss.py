@@ -329,7 +329,8 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel,
 }  // namespace fusedloss
 
 // Storage types, the type the math is done in, and the conversions between
-// them. Each conversion rounds once, to nearest even.
+// them. Each conversion rounds once, to nearest even. Host code uses them too
+// (beta and delta are rounded to the loss dtype before the launch).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -349,38 +350,38 @@ struct Promote { using type = float; };
 template <typename A>
 struct Promote<A, A> { using type = A; };
 
-__device__ __forceinline__ float to_opmath(float x) { return x; }
-__device__ __forceinline__ float to_opmath(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_opmath(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ double to_opmath(double x) { return x; }
+__host__ __device__ __forceinline__ float to_opmath(float x) { return x; }
+__host__ __device__ __forceinline__ float to_opmath(__half x) { return __half2float(x); }
+__host__ __device__ __forceinline__ float to_opmath(__nv_bfloat16 x) { return __bfloat162float(x); }
+__host__ __device__ __forceinline__ double to_opmath(double x) { return x; }
 
 template <typename T>
 struct Convert;
 template <>
 struct Convert<float> {
-  __device__ __forceinline__ static float from(float x) { return x; }
-  __device__ __forceinline__ static float from(double x) { return static_cast<float>(x); }
+  __host__ __device__ __forceinline__ static float from(float x) { return x; }
+  __host__ __device__ __forceinline__ static float from(double x) { return static_cast<float>(x); }
 };
 template <>
 struct Convert<double> {
-  __device__ __forceinline__ static double from(double x) { return x; }
+  __host__ __device__ __forceinline__ static double from(double x) { return x; }
 };
 template <>
 struct Convert<__half> {
-  __device__ __forceinline__ static __half from(float x) { return __float2half_rn(x); }
-  __device__ __forceinline__ static __half from(double x) { return __double2half(x); }
+  __host__ __device__ __forceinline__ static __half from(float x) { return __float2half_rn(x); }
+  __host__ __device__ __forceinline__ static __half from(double x) { return __double2half(x); }
 };
 template <>
 struct Convert<__nv_bfloat16> {
-  __device__ __forceinline__ static __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
-  __device__ __forceinline__ static __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
+  __host__ __device__ __forceinline__ static __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+  __host__ __device__ __forceinline__ static __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
 };
 
 // x as PyTorch's fp16 kernels hold an intermediate: they round after every
 // operation, and fp16's narrow range makes that visible as overflow to inf. For
 // other loss dtypes x is kept; fusedloss rounds once, at the end.
 template <typename LossDtype, typename T>
-__device__ __forceinline__ T fp16_intermediate(T x) {
+__host__ __device__ __forceinline__ T fp16_intermediate(T x) {
   if constexpr (std::is_same_v<LossDtype, __half>) {
     return to_opmath(Convert<__half>::from(x));
   } else {
