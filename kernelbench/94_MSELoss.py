@@ -377,9 +377,9 @@ struct Convert<__nv_bfloat16> {
   __host__ __device__ __forceinline__ static __nv_bfloat16 from(double x) { return __double2bfloat16(x); }
 };
 
-// x as PyTorch's fp16 kernels hold an intermediate: they round after every
-// operation, and fp16's narrow range makes that visible as overflow to inf. For
-// other loss dtypes x is kept; fusedloss rounds once, at the end.
+// x as PyTorch's fp16 kernels hold the difference input - target: rounded to
+// fp16, where it can overflow to inf (they do the rest in fp32). For other loss
+// dtypes x is kept; fusedloss rounds once, at the end.
 template <typename LossDtype, typename T>
 __host__ __device__ __forceinline__ T fp16_intermediate(T x) {
   if constexpr (std::is_same_v<LossDtype, __half>) {
@@ -428,7 +428,7 @@ struct SmoothL1Loss {
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
-    return z < beta.value ? fp16_intermediate<Out>(T(0.5) * z * z) * beta.inverse : z - T(0.5) * beta.value;
+    return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
   }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {

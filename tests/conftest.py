@@ -71,9 +71,15 @@ def loss_kwargs(name: str, param: float) -> dict:
     return {} if keyword is None else {keyword: param}
 
 
+def as_computed(name: str, input, target):
+    """The target as PyTorch's CUDA kernels use it: Huber converts it to the input's dtype."""
+    return target.to(input.dtype) if name == "huber" else target
+
+
 def float64_reference(name: str, input, target, reduction: str, param: float = 1.0) -> torch.Tensor:
     """PyTorch's own formula evaluated in float64."""
     loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+    target = as_computed(name, input, target)
     return formulas.torch_loss(input.double(), target.double(), loss_id, param, reduction)
 
 

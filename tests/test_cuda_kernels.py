@@ -213,5 +213,7 @@ def test_dtype_conversions_follow_pytorch(name, input_dtype, target_dtype, param
     assert ours.dtype == theirs.dtype
     torch.testing.assert_close(ours, theirs, equal_nan=True, rtol=4e-3, atol=1e-6)
     (ours_grad,) = torch.autograd.grad(ours.sum(), input)
+    if input_dtype != target_dtype and name == "huber":
+        return  # PyTorch's backward raises "Found dtype ... but expected ..." there
     (theirs_grad,) = torch.autograd.grad(theirs.sum(), input)
     torch.testing.assert_close(ours_grad, theirs_grad, equal_nan=True, rtol=4e-3, atol=1e-6)

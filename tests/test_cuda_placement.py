@@ -78,8 +78,8 @@ def test_cuda_graph_on_cuda1():
         # torch.cuda.graph's default capture stream lives on the device of its first use
         with torch.cuda.graph(graph, stream=stream):
             out = fusedloss.huber_loss(input, target)
-    input.copy_(heavy_tailed((4099,), device="cuda:1"))
-    graph.replay()
+        input.copy_(heavy_tailed((4099,), device="cuda:1"))
+        graph.replay()  # on cuda:1's current stream, after the copy
     torch.cuda.synchronize(1)
     assert_close_to_reference(out, _reference("huber", input, target), torch.float32)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -54,11 +56,13 @@ def test_ten_thousand_training_steps_leave_memory_flat():
             out.backward(torch.full_like(out, scale))
 
     run(len(steps) * 4)
+    gc.collect()  # cycles left by earlier tests would be freed mid-run
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     run(10_000)
+    gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() <= before
 
 
 def test_more_than_2_31_elements_with_gradients():

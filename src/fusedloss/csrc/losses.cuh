@@ -36,7 +36,7 @@ struct SmoothL1Loss {
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
-    return z < beta.value ? fp16_intermediate<Out>(T(0.5) * z * z) * beta.inverse : z - T(0.5) * beta.value;
+    return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
   }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {
