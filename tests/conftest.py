@@ -72,8 +72,9 @@ def loss_kwargs(name: str, param: float) -> dict:
 
 
 def as_computed(name: str, input, target):
-    """The target as PyTorch's CUDA kernels use it: Huber converts it to the input's dtype."""
-    return target.to(input.dtype) if name == "huber" else target
+    """The target as PyTorch's kernels use it: on CUDA, Huber converts it to the input's
+    dtype (its CPU kernel computes in the promoted dtype)."""
+    return target.to(input.dtype) if name == "huber" and input.is_cuda else target
 
 
 def float64_reference(name: str, input, target, reduction: str, param: float = 1.0) -> torch.Tensor:
