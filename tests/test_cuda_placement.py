@@ -69,15 +69,18 @@ def test_operands_on_cuda1_are_computed_on_cuda1(name, reduction):
 
 @requires_two_gpus
 def test_cuda_graph_on_cuda1():
+    """Capture on cuda:1 with the warm-up pattern of PyTorch's CUDA-graph docs; the
+    replay must see inputs written after the capture."""
     input, target = heavy_tailed((4099,), device="cuda:1"), heavy_tailed((4099,), device="cuda:1")
     with torch.cuda.device(1):
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fusedloss.huber_loss(input, target)  # warm-up outside capture
+            _loss("huber", input, target, "mean")  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # torch.cuda.graph's default capture stream lives on the device of its first use
         with torch.cuda.graph(graph, stream=stream):
-            out = fusedloss.huber_loss(input, target)
+            out = _loss("huber", input, target, "mean")
         input.copy_(heavy_tailed((4099,), device="cuda:1"))
         graph.replay()  # on cuda:1's current stream, after the copy
     torch.cuda.synchronize(1)
