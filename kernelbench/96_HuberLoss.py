@@ -268,6 +268,8 @@ TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
 
 CUDA_SOURCE = r"""// Single-pass loss kernels. One generic kernel per job (reduce, pointwise,
 // pointwise backward), parameterised by the loss and the dtype pair.
+#include <algorithm>
+
 // The boundary between the host code (torch tensors, fusedloss_ops.cpp) and the
 // kernels (plain pointers, loss_kernels.cu). The kernels include no torch
 // header, so they compile quickly and can be shipped on their own.
@@ -394,6 +396,11 @@ __host__ __device__ __forceinline__ T fp16_intermediate(T x) {
 // The four losses as functions of d = input - target. `value` and `grad`
 // (d loss / d input) follow PyTorch's kernels branch for branch, so NaN and the
 // region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
+// kGradInOwnDtype: PyTorch's CUDA backward computes each gradient in that
+// gradient's dtype, seeing the other operand and beta in it (Smooth L1). For the
+// others fusedloss differentiates the loss as computed, in its dtype: PyTorch's
+// MSE and Huber backward reject mixed dtypes, and L1's gradient is composed by
+// autograd from the promoted difference.
 
 namespace fusedloss {
 
@@ -407,6 +414,7 @@ struct LossParam {
 
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
@@ -415,6 +423,7 @@ struct MseLoss {
 
 struct L1Loss {
   static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
@@ -425,6 +434,7 @@ struct L1Loss {
 // beta > 0: torch.nn.functional sends beta == 0 to L1, and so does fusedloss.
 struct SmoothL1Loss {
   static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
@@ -439,6 +449,7 @@ struct SmoothL1Loss {
 // PyTorch's huber_loss returns the input's dtype, not the promoted one.
 struct HuberLoss {
   static constexpr bool kOutputHasInputDtype = true;
+  static constexpr bool kGradInOwnDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> delta) {
     const T z = fabs(d);
@@ -528,12 +539,13 @@ __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int6
   }
 }
 
-// Each block owns one contiguous range of elements (see Schedule): Op::kVec-wide
-// chunks when all of the op's pointers are 16-byte aligned, then the range's
-// tail one by one; else one by one.
+// The block walks range number `range` of the Schedule (by default its own):
+// Op::kVec-wide chunks when all of the op's pointers are 16-byte aligned, then
+// the range's tail one by one; else one by one.
 template <class Op>
-__device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t elements_per_block, bool vectorized) {
-  const int64_t begin = int64_t(blockIdx.x) * elements_per_block;
+__device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t elements_per_block, bool vectorized,
+                                                  int64_t range = blockIdx.x) {
+  const int64_t begin = range * elements_per_block;
   const int64_t count = (n - begin < elements_per_block ? n - begin : elements_per_block);
   if (vectorized) {
     const int64_t num_chunks = count / Op::kVec;
@@ -615,25 +627,42 @@ struct PairOp {
 
   const In* __restrict__ input;
   const Tgt* __restrict__ target;
-  LossParam<T> param;
+  LossParam<T> param;              // in the loss's dtype
+  LossParam<T> input_grad_param;   // in the dtype d loss / d input is computed in
+  LossParam<T> target_grad_param;  // in the dtype d loss / d target is computed in
 
-  // As PyTorch does: each operand in the loss's dtype (this narrows Huber's
-  // target to the input's dtype), and the difference as its fp16 kernels hold it.
-  template <typename V>
-  __device__ __forceinline__ static T as_loss_dtype(const V& v) {
-    if constexpr (std::is_same_v<V, Out> || sizeof(V) < sizeof(Out)) {
+  // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
+  using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype, In, Out>;
+  using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype, Tgt, Out>;
+
+  // v as PyTorch's kernels see it when they compute in dtype D (Huber's forward
+  // narrows the target to the input's dtype; an fp16 gradient sees 1e30 as inf).
+  template <typename D, typename V>
+  __device__ __forceinline__ static T in_dtype(const V& v) {
+    if constexpr (std::is_same_v<V, D> || sizeof(V) < sizeof(D)) {
       return to_opmath(v);
     } else {
-      return to_opmath(Convert<Out>::from(to_opmath(v)));
+      return to_opmath(Convert<D>::from(to_opmath(v)));
     }
   }
-  __device__ __forceinline__ T diff(const In& x, const Tgt& y) const {
-    return fp16_intermediate<Out>(as_loss_dtype(x) - as_loss_dtype(y));
+  // input - target computed in dtype D, held as PyTorch's fp16 kernels hold it.
+  template <typename D>
+  __device__ __forceinline__ static T diff_in(const In& x, const Tgt& y) {
+    return fp16_intermediate<D>(in_dtype<D>(x) - in_dtype<D>(y));
   }
   __device__ __forceinline__ T value(const In& x, const Tgt& y) const {
-    return Loss::template value<Out>(diff(x, y), param);
+    return Loss::template value<Out>(diff_in<Out>(x, y), param);
   }
-  __device__ __forceinline__ T grad(const In& x, const Tgt& y) const { return Loss::grad(diff(x, y), param); }
+  __device__ __forceinline__ T input_grad(const In& x, const Tgt& y) const {
+    return Loss::grad(diff_in<InputGradDtype>(x, y), input_grad_param);
+  }
+  __device__ __forceinline__ T target_grad(const In& x, const Tgt& y) const {
+    if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
+      return -input_grad(x, y);  // the same computation: let the compiler share it
+    } else {
+      return -Loss::grad(diff_in<TargetGradDtype>(x, y), target_grad_param);
+    }
+  }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
     load_chunk(c.input, input, first);
@@ -668,7 +697,7 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
       alignas(16) In gi[W];
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        gi[k] = Convert<In>::from(this->grad(c.input[k], c.target[k]) * grad_scale);
+        gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * grad_scale);
       }
       store_chunk_streaming(grad_input, first, gi);
     }
@@ -676,7 +705,7 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt> {
       alignas(16) Tgt gt[W];
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        gt[k] = Convert<Tgt>::from(-(this->grad(c.input[k], c.target[k]) * grad_scale));
+        gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * grad_scale);
       }
       store_chunk_streaming(grad_target, first, gt);
     }
@@ -734,9 +763,8 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
-      const T g = this->grad(c.input[k], c.target[k]) * go;
-      gi[k] = Convert<In>::from(g);
-      gt[k] = Convert<Tgt>::from(-g);
+      if (grad_input != nullptr) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * go);
+      if (grad_target != nullptr) gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * go);
     }
     if (grad_input != nullptr) store_chunk(grad_input, first, gi);
     if (grad_target != nullptr) store_chunk(grad_target, first, gt);
@@ -802,14 +830,19 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
   }
 }
 
+// One wave of blocks, each walking every gridDim.x-th range of the schedule:
+// when scale == 1 (the common loss.backward()) the whole launch is one wave
+// that exits at once, not tens of thousands of blocks.
 template <typename S>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t elements_per_block,
-                                                                       bool vectorized, const void* scale,
-                                                                       DType scale_dtype) {
+                                                                       int64_t num_ranges, bool vectorized,
+                                                                       const void* scale, DType scale_dtype) {
   const double s = load_as_double(scale, scale_dtype);
   if (s == 1.0) return;
   ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
-  visit_block_range(op, n, elements_per_block, vectorized);
+  for (int64_t range = blockIdx.x; range < num_ranges; range += gridDim.x) {
+    visit_block_range(op, n, elements_per_block, vectorized, range);
+  }
 }
 
 // ---- host-side dispatch -------------------------------------------------
@@ -851,15 +884,22 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   return err;
 }
 
+// beta or delta converted to dtype D, as PyTorch does (1e6 is inf in fp16).
+template <typename D, typename T>
+LossParam<T> loss_param_in(double param) {
+  const T value = to_opmath(Convert<D>::from(static_cast<T>(param)));
+  return LossParam<T>{value, value != T(0) ? T(1) / value : T(0)};
+}
+
 template <class Op>
 Op make_op(const LossProblem& p) {
   Op op{};
   op.input = static_cast<const typename Op::InT*>(p.input);
   op.target = static_cast<const typename Op::TgtT*>(p.target);
   using T = typename Op::T;
-  // PyTorch converts beta or delta to the loss's dtype (1e6 is inf in fp16).
-  const T param = to_opmath(Convert<typename Op::Out>::from(static_cast<T>(p.param)));
-  op.param = LossParam<T>{param, param != T(0) ? T(1) / param : T(0)};
+  op.param = loss_param_in<typename Op::Out, T>(p.param);
+  op.input_grad_param = loss_param_in<typename Op::InputGradDtype, T>(p.param);
+  op.target_grad_param = loss_param_in<typename Op::TargetGradDtype, T>(p.param);
   return op;
 }
 
@@ -948,8 +988,10 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
     using S = decltype(s);
     const Schedule schedule = make_schedule<ScaleOp<S>>(numel, num_sms);
     if (schedule.blocks == 0) return;
-    scale_in_place_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(
-        static_cast<S*>(data), numel, schedule.elements_per_block, is_aligned16(data), scale, scale_dtype);
+    const int wave = std::min(schedule.blocks, num_sms * kBlocksPerSm);
+    scale_in_place_kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel,
+                                                             schedule.elements_per_block, schedule.blocks,
+                                                             is_aligned16(data), scale, scale_dtype);
     err = cudaGetLastError();
   });
   return err;

@@ -77,6 +77,20 @@ def as_computed(name: str, input, target):
     return target.to(input.dtype) if name == "huber" and input.is_cuda else target
 
 
+def as_seen_by_gradient(name: str, input, target, of_input: bool):
+    """(input, target) as PyTorch's CUDA kernels see them when they compute the gradient
+    of the input (`of_input`) or of the target. Smooth L1's backward converts the other
+    operand to that gradient's dtype. The others are differentiated as computed: Huber in
+    the input's dtype, MSE and L1 in the promoted one (PyTorch's MSE and Huber backward
+    reject mixed dtypes; L1's gradient is composed by autograd). The CPU kernels use the
+    promoted dtype."""
+    if not input.is_cuda or name in ("mse", "l1"):
+        return input, target
+    if name == "huber" or of_input:
+        return input, target.to(input.dtype)
+    return input.to(target.dtype), target
+
+
 def float64_reference(name: str, input, target, reduction: str, param: float = 1.0) -> torch.Tensor:
     """PyTorch's own formula evaluated in float64."""
     loss_id = "l1" if name == "smooth_l1" and param == 0 else name

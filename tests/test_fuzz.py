@@ -91,10 +91,13 @@ def _run(fn, input, target, grad_for, **kwargs):
 
 
 def _float64_gradients(name, input, target, grad_for, reduction, param):
-    """PyTorch's formula on float64 copies, cast back to each operand's dtype."""
+    """The gradients of the loss as PyTorch computes it (operands and beta/delta in its
+    dtype), on float64 copies, cast back to each operand's dtype."""
     from fusedloss import formulas
 
     operands = (input, as_computed(name, input, target))
+    if name == "huber" and input.is_cuda:  # PyTorch's CUDA Huber computes in the input's dtype
+        param = torch.tensor(param, dtype=input.dtype).item()
     copies = [t.detach().double().requires_grad_(g) for t, g in zip(operands, grad_for)]
     loss = "l1" if name == "smooth_l1" and param == 0 else name
     out = formulas.torch_loss(*copies, loss, param, reduction)
@@ -130,11 +133,12 @@ def test_matches_torch(device, name, pair, reduction, param, grad_for):
     _close(out, expected)
     computed_in = None
     if isinstance(expected_grads, RuntimeError):
-        # PyTorch's own backward fails for some mixed dtypes (huber_loss with an fp32
-        # input and an fp64 target that requires grad); check against float64 instead.
+        # PyTorch's CUDA backward rejects mixed dtypes in mse_loss and huber_loss (its CPU
+        # one in huber_loss); check against float64 instead.
         assert "expected" in str(expected_grads)
         expected_grads = _float64_gradients(name, input, target, grad_for, reduction, param)
-        computed_in = input.dtype  # the reference follows the forward, which Huber computes in the input's dtype
+        # the dtype the forward computes in: Huber the input's, MSE the promoted one
+        computed_in = input.dtype if name == "huber" else torch.promote_types(input.dtype, target.dtype)
     if expected_grads is not None:
         assert not isinstance(grads, RuntimeError), grads
         for grad, expected_grad in zip(grads, expected_grads):

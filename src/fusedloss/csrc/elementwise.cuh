@@ -75,12 +75,13 @@ __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int6
   }
 }
 
-// Each block owns one contiguous range of elements (see Schedule): Op::kVec-wide
-// chunks when all of the op's pointers are 16-byte aligned, then the range's
-// tail one by one; else one by one.
+// The block walks range number `range` of the Schedule (by default its own):
+// Op::kVec-wide chunks when all of the op's pointers are 16-byte aligned, then
+// the range's tail one by one; else one by one.
 template <class Op>
-__device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t elements_per_block, bool vectorized) {
-  const int64_t begin = int64_t(blockIdx.x) * elements_per_block;
+__device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t elements_per_block, bool vectorized,
+                                                  int64_t range = blockIdx.x) {
+  const int64_t begin = range * elements_per_block;
   const int64_t count = (n - begin < elements_per_block ? n - begin : elements_per_block);
   if (vectorized) {
     const int64_t num_chunks = count / Op::kVec;

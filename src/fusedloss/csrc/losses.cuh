@@ -1,6 +1,11 @@
 // The four losses as functions of d = input - target. `value` and `grad`
 // (d loss / d input) follow PyTorch's kernels branch for branch, so NaN and the
 // region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
+// kGradInOwnDtype: PyTorch's CUDA backward computes each gradient in that
+// gradient's dtype, seeing the other operand and beta in it (Smooth L1). For the
+// others fusedloss differentiates the loss as computed, in its dtype: PyTorch's
+// MSE and Huber backward reject mixed dtypes, and L1's gradient is composed by
+// autograd from the promoted difference.
 #pragma once
 
 namespace fusedloss {
@@ -15,6 +20,7 @@ struct LossParam {
 
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
@@ -23,6 +29,7 @@ struct MseLoss {
 
 struct L1Loss {
   static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
@@ -33,6 +40,7 @@ struct L1Loss {
 // beta > 0: torch.nn.functional sends beta == 0 to L1, and so does fusedloss.
 struct SmoothL1Loss {
   static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
@@ -47,6 +55,7 @@ struct SmoothL1Loss {
 // PyTorch's huber_loss returns the input's dtype, not the promoted one.
 struct HuberLoss {
   static constexpr bool kOutputHasInputDtype = true;
+  static constexpr bool kGradInOwnDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> delta) {
     const T z = fabs(d);
