@@ -4,16 +4,19 @@ eager PyTorch and ``torch.compile`` side by side on the same inputs.
 Effective bandwidth counts the bytes a loss must move, for every system:
 - forward, mean:         read input + read target
 - forward + backward:    read input + read target + write grad_input
-Copy bandwidth (read + write of a 2 GiB device-to-device copy) is measured
-again right before each row, and is the ceiling that row's percentage refers to.
+Copy bandwidth (read + write of a 2 GiB device-to-device copy) is measured in
+each row, taking turns with the three systems, and is the ceiling that row's
+percentage refers to.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,26 +76,41 @@ def relative_error(value: Tensor, reference: float) -> float:
     return abs(value.double().item() - reference) / abs(reference)
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
-    """Median over `reps` calls of the device time between events around one call."""
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
+def time_side_by_side(fns: dict[str, Callable[[], object]], reps: int = 20,
+                      warmup_s: float = 0.25) -> dict[str, float]:
+    """Median device time of one call of each function, in ms. The functions take turns
+    call by call, so drifting clocks and temperature weigh on them alike; back-to-back
+    warm-up calls for `warmup_s` first bring the clocks up from idle."""
+    deadline = time.perf_counter() + warmup_s
+    calls = 0
+    while calls < 3 or time.perf_counter() < deadline:
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+        calls += 1
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(reps)] for name in fns}
+    for rep in range(reps):
+        for name, fn in fns.items():
+            start, end = events[name][rep]
+            start.record()
+            fn()
+            end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
 
-def copy_bandwidth_tbs(nbytes: int = 2 << 30) -> float:
-    """Read + write bandwidth of a device-to-device copy, in TB/s."""
+def time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median device time of one call, in ms (see time_side_by_side)."""
+    return time_side_by_side({"fn": fn}, reps)["fn"]
+
+
+def device_copy(nbytes: int = 2 << 30) -> tuple[Callable[[], object], int]:
+    """A device-to-device copy and the bytes it moves (read + write): the ceiling the
+    bandwidth percentages refer to."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * nbytes / ms / 1e9
+    return (lambda: dst.copy_(src)), 2 * nbytes
 
 
 def _fresh_compile(fn: Callable) -> Callable:
@@ -150,14 +168,13 @@ def bench_forward(case: Case, dtype: torch.dtype, shape: tuple[int, ...]) -> Row
     fused_err = relative_error(case.fused(p, t), reference)
     eager_err = relative_error(case.eager(p, t), reference)
     compiled = _fresh_compile(case.eager)
-    copy_tbs = copy_bandwidth_tbs()
+    copy, copy_bytes = device_copy()
     with torch.no_grad():
-        fused_ms = time_ms(lambda: case.fused(p, t))
-        eager_ms = time_ms(lambda: case.eager(p, t))
-        compile_ms = time_ms(lambda: compiled(p, t))
+        ms = time_side_by_side({"fused": lambda: case.fused(p, t), "eager": lambda: case.eager(p, t),
+                                "compile": lambda: compiled(p, t), "copy": copy})
     nbytes = p.numel() * (p.element_size() + t.element_size())
-    return Row(case.name, _dtype_name(dtype), "forward", nbytes, fused_ms, eager_ms, compile_ms, copy_tbs,
-               fused_err, eager_err)
+    return Row(case.name, _dtype_name(dtype), "forward", nbytes, ms["fused"], ms["eager"], ms["compile"],
+               copy_bytes / ms["copy"] / 1e9, fused_err, eager_err)
 
 
 def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], grad_output: float) -> Row:
@@ -174,8 +191,8 @@ def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], 
         return run
 
     steps = {"fused": step(case.fused), "eager": step(case.eager), "compile": step(compiled)}
-    copy_tbs = copy_bandwidth_tbs()
-    times = {name: time_ms(run, reps=10) for name, run in steps.items()}
+    copy, copy_bytes = device_copy()
+    times = time_side_by_side({**steps, "copy": copy})
     peaks = {}
     for name, run in steps.items():
         p.grad = None  # the step's own gradient counts towards its peak
@@ -184,7 +201,7 @@ def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], 
     nbytes = p.numel() * (2 * p.element_size() + t.element_size())
     mode = "fwd+bwd" if grad_output == 1.0 else f"fwd+bwd, grad_output={grad_output:g}"
     return Row(case.name, _dtype_name(dtype), mode, nbytes, times["fused"], times["eager"], times["compile"],
-               copy_tbs, fused_peak_gib=peaks["fused"], eager_peak_gib=peaks["eager"],
+               copy_bytes / times["copy"] / 1e9, fused_peak_gib=peaks["fused"], eager_peak_gib=peaks["eager"],
                compile_peak_gib=peaks["compile"])
 
 
@@ -193,17 +210,16 @@ def sweep(out_dir: Path) -> list[tuple[int, float, float, float]]:
     results = []
     for exponent in _progress(SWEEP_EXPONENTS, len(SWEEP_EXPONENTS), "size sweep"):
         n = 2**exponent
-        p, t = seed_inputs((n,), torch.float32, "cuda")
         compiled = _fresh_compile(_seed_mse)
+        systems = {"fused": fusedloss.mse_loss, "eager": _seed_mse, "compile": compiled}
+        # Each system reads its own copy of the inputs: taking turns over one copy, a
+        # system would find the previous one's reads in L2 at sizes near its capacity.
+        calls = {name: functools.partial(fn, *seed_inputs((n,), torch.float32, "cuda")) for name, fn in systems.items()}
         reps = 200 if exponent < 24 else 20
         with torch.no_grad():
-            results.append((
-                n,
-                time_ms(lambda: fusedloss.mse_loss(p, t), warmup=10, reps=reps),
-                time_ms(lambda: _seed_mse(p, t), warmup=10, reps=reps),
-                time_ms(lambda: compiled(p, t), warmup=10, reps=reps),
-            ))
-        del p, t
+            ms = time_side_by_side(calls, reps=reps, warmup_s=0.05)
+        results.append((n, ms["fused"], ms["eager"], ms["compile"]))
+        del calls
     with open(out_dir / "sweep_mse_fp32.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["n", "fusedloss_ms", "eager_ms", "compile_ms"])
