@@ -51,7 +51,6 @@ def main() -> None:
         ms = bench.time_side_by_side({"op": op, "copy": copy})
         print(f"op with copy          {ms['op']:.3f} ms  grad buffers {sorted(hex(a) for a in grad_ptrs)}")
         print(f"p {p.data_ptr():#x} t {t.data_ptr():#x}")
-        grad = torch.empty_like(p)
         for shift in (0, 4 << 10, 64 << 10, 1 << 20, 2 << 20, (3 << 20) + (4 << 10)):
             buffer = torch.empty(N + shift // 4, device="cuda")
             shifted = buffer[shift // 4:]
@@ -62,7 +61,6 @@ def main() -> None:
 
             print(f"target shifted {shift:>8} B: op {bench.time_ms(op_shifted):.3f} ms")
             del buffer, shifted
-        del grad
 
 
 if __name__ == "__main__":

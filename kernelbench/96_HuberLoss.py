@@ -506,8 +506,6 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ dst, int64_t first, 
   }
 }
 
-// The threads of a block share [first_element, first_element + num_chunks * W)
-// in steps of kBlockThreads * U chunks.
 // For outputs read back much later (gradients): evict-first, like the loads.
 template <int W, typename T>
 __device__ __forceinline__ void store_chunk_streaming(T* __restrict__ dst, int64_t first, const T (&src)[W]) {
@@ -522,6 +520,8 @@ __device__ __forceinline__ void store_chunk_streaming(T* __restrict__ dst, int64
   }
 }
 
+// The threads of a block share [first_element, first_element + num_chunks * W)
+// in steps of kBlockThreads * U chunks.
 template <int W, int U, class Op>
 __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int64_t num_chunks) {
   for (int64_t base = threadIdx.x; base < num_chunks; base += int64_t(kBlockThreads) * U) {
