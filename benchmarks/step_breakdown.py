@@ -1,7 +1,9 @@
 """Experiment: where a fused training step's time goes at 2^30 elements.
 
-Times the forward op that also writes the gradient (no autograd), then the whole
-`loss.backward()` step, per loss and dtype. Run on the device:
+Per loss and dtype, each taking turns with a 2 GiB copy: the forward op alone
+(read 2N), the forward op that also writes the gradient (read 2N + write N, no
+autograd), the whole `loss.backward()` step, and `(loss * 0.5).backward()`
+(read 2N + write N, then read N + write N). Run on the device:
     PYTHONPATH=src python benchmarks/step_breakdown.py
 """
 
@@ -19,22 +21,30 @@ FUNCTIONS = {"mse": fusedloss.mse_loss, "l1": fusedloss.l1_loss, "smooth_l1": fu
 
 def main() -> None:
     build.load()
+    copy, copy_bytes = bench.device_copy()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; % of the copy taking turns with each")
     for dtype in (torch.float32, torch.bfloat16):
         p, t = bench.seed_inputs((1 << 30,), dtype, "cuda")
         p.requires_grad_(True)
+        n_bytes = p.numel() * p.element_size()
         for loss, param in PARAMS.items():
-            with torch.no_grad():
-                op_ms = bench.time_ms(lambda: torch.ops.fusedloss.reduced_loss.default(
-                    p, t, loss, param, "mean", [True, False]))
+            def op(grad: bool):
+                with torch.no_grad():
+                    torch.ops.fusedloss.reduced_loss.default(p, t, loss, param, "mean", [grad, False])
 
-            def step():
+            def step(scale: float):
                 p.grad = None
-                FUNCTIONS[loss](p, t).backward()
+                out = FUNCTIONS[loss](p, t)
+                (out if scale == 1.0 else out * scale).backward()
 
-            step_ms = bench.time_ms(step)
-            nbytes = 3 * p.numel() * p.element_size()
-            print(f"{str(dtype):15} {loss:10} op+grad {op_ms:6.3f} ms ({nbytes / op_ms / 1e9:4.2f} TB/s)  "
-                  f"step {step_ms:6.3f} ms ({nbytes / step_ms / 1e9:4.2f} TB/s)")
+            cases = {"forward": (lambda: op(False), 2 * n_bytes), "op+grad": (lambda: op(True), 3 * n_bytes),
+                     "step": (lambda: step(1.0), 3 * n_bytes), "step x0.5": (lambda: step(0.5), 5 * n_bytes)}
+            cells = []
+            for name, (fn, nbytes) in cases.items():
+                ms = bench.time_side_by_side({name: fn, "copy": copy}, warmup_s=0.1)
+                copy_tbs = copy_bytes / ms["copy"] / 1e9
+                cells.append(f"{name} {ms[name]:6.3f} ms {nbytes / ms[name] / 1e9 / copy_tbs:6.1%}")
+            print(f"{str(dtype):15} {loss:10} " + " | ".join(cells), flush=True)
         p.grad = None
         del p, t
 

@@ -58,22 +58,16 @@ struct LossProblem {
   const void* target;
   DType target_dtype;
   int64_t numel;
-  int num_sms;
 };
 
-// Pass 1 of a mean or sum: one block partial per launched block in
-// `block_sums`, and, where the pointers are set, d loss / d input and
-// d loss / d target multiplied by `grad_scale` (1/N for a mean).
-// `block_sums` must hold reduced_loss_num_blocks(problem) doubles.
-int reduced_loss_num_blocks(const LossProblem& problem);
-cudaError_t launch_reduced_loss(const LossProblem& problem, double* block_sums,
-                                void* grad_input, void* grad_target,
-                                double grad_scale, cudaStream_t stream);
-
-// Pass 2: sums the block partials in a fixed order and writes the 0-d result.
-cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks,
-                                    int64_t numel, bool mean, void* out,
-                                    DType out_dtype, cudaStream_t stream);
+// A mean or sum: one partial sum per tile in `scratch`, folded in a fixed
+// order into the 0-d `out`; and, where the pointers are set, d loss / d input
+// and d loss / d target (times 1/N for a mean) in the same pass.
+// `scratch` must hold reduced_loss_scratch_size(problem) doubles.
+int64_t reduced_loss_scratch_size(const LossProblem& problem);
+cudaError_t launch_reduced_loss(const LossProblem& problem, double* scratch, void* grad_input,
+                                void* grad_target, bool mean, void* out, DType out_dtype,
+                                cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -174,8 +168,7 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
                             to_dtype(ops.input.scalar_type()),
                             ops.target.data_ptr(),
                             to_dtype(ops.target.scalar_type()),
-                            ops.input.numel(),
-                            current_device_sm_count()};
+                            ops.input.numel()};
   return ops;
 }
 
@@ -226,20 +219,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param);
-  const int64_t n = ops.problem.numel;
-  const int num_blocks = reduced_loss_num_blocks(ops.problem);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-
-  at::Tensor block_sums = at::empty({std::max(num_blocks, 1)}, ops.input.options().dtype(at::kDouble));
+  at::Tensor scratch = at::empty({reduced_loss_scratch_size(ops.problem)}, ops.input.options().dtype(at::kDouble));
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  const double grad_scale = mean ? 1.0 / static_cast<double>(n) : 1.0;
-
-  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, block_sums.data_ptr<double>(), data_or_null(grad_input),
-                                     data_or_null(grad_target), grad_scale, stream));
-  C10_CUDA_CHECK(launch_finish_reduction(block_sums.data_ptr<double>(), num_blocks, n, mean, out.data_ptr(),
-                                         to_dtype(ops.loss_dtype), stream));
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr<double>(), data_or_null(grad_input),
+                                     data_or_null(grad_target), mean, out.data_ptr(), to_dtype(ops.loss_dtype),
+                                     c10::cuda::getCurrentCUDAStream()));
   return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
 }
 
@@ -292,22 +278,16 @@ struct LossProblem {
   const void* target;
   DType target_dtype;
   int64_t numel;
-  int num_sms;
 };
 
-// Pass 1 of a mean or sum: one block partial per launched block in
-// `block_sums`, and, where the pointers are set, d loss / d input and
-// d loss / d target multiplied by `grad_scale` (1/N for a mean).
-// `block_sums` must hold reduced_loss_num_blocks(problem) doubles.
-int reduced_loss_num_blocks(const LossProblem& problem);
-cudaError_t launch_reduced_loss(const LossProblem& problem, double* block_sums,
-                                void* grad_input, void* grad_target,
-                                double grad_scale, cudaStream_t stream);
-
-// Pass 2: sums the block partials in a fixed order and writes the 0-d result.
-cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks,
-                                    int64_t numel, bool mean, void* out,
-                                    DType out_dtype, cudaStream_t stream);
+// A mean or sum: one partial sum per tile in `scratch`, folded in a fixed
+// order into the 0-d `out`; and, where the pointers are set, d loss / d input
+// and d loss / d target (times 1/N for a mean) in the same pass.
+// `scratch` must hold reduced_loss_scratch_size(problem) doubles.
+int64_t reduced_loss_scratch_size(const LossProblem& problem);
+cudaError_t launch_reduced_loss(const LossProblem& problem, double* scratch, void* grad_input,
+                                void* grad_target, bool mean, void* out, DType out_dtype,
+                                cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -465,28 +445,29 @@ struct HuberLoss {
 
 // The walk over contiguous elements that every kernel here shares.
 // An op supplies `Chunk<W>` (registers for W consecutive elements), `load` and
-// `apply`; the walk issues all loads of an unrolled step before the first use,
-// so each thread keeps several 16-byte loads in flight.
+// `apply`; the walk issues all loads of a step before the first use, so each
+// thread keeps its 16-byte loads of every operand in flight together.
 
 #include <cstdint>
 
 namespace fusedloss {
 
 constexpr int kBlockThreads = 256;
-// 4 x 256 threads per SM keep enough bytes in flight to reach HBM bandwidth
-// while leaving 64 registers per thread.
-constexpr int kBlocksPerSm = 4;
+// 8 x 256 threads per SM (32 registers each) keep two 16-byte loads in flight
+// per thread, enough to reach HBM bandwidth.
+constexpr int kBlocksPerSm = 8;
 constexpr int kScalarUnroll = 4;
 
-// W elements from `src + first`: 16-byte streaming loads when the chunk is a
-// whole number of 16-byte words, scalar loads otherwise (W == 1).
+// W elements from `src + first`: 16-byte loads when the chunk is a whole number
+// of 16-byte words, scalar loads otherwise (W == 1). Plain loads: evict-first
+// (ld.global.cs) loads cost 5% of the bandwidth (benchmarks/tile_probe.py).
 template <int W, typename T>
 __device__ __forceinline__ void load_chunk(T (&dst)[W], const T* __restrict__ src, int64_t first) {
   if constexpr (W * sizeof(T) % 16 == 0) {
     const uint4* words = reinterpret_cast<const uint4*>(src + first);
     uint4* out = reinterpret_cast<uint4*>(dst);
 #pragma unroll
-    for (int k = 0; k < int(W * sizeof(T) / 16); ++k) out[k] = __ldcs(words + k);
+    for (int k = 0; k < int(W * sizeof(T) / 16); ++k) out[k] = words[k];
   } else {
 #pragma unroll
     for (int k = 0; k < W; ++k) dst[k] = src[first + k];
@@ -506,24 +487,11 @@ __device__ __forceinline__ void store_chunk(T* __restrict__ dst, int64_t first, 
   }
 }
 
-// For outputs read back much later (gradients): evict-first, like the loads.
-template <int W, typename T>
-__device__ __forceinline__ void store_chunk_streaming(T* __restrict__ dst, int64_t first, const T (&src)[W]) {
-  if constexpr (W * sizeof(T) % 16 == 0) {
-    uint4* words = reinterpret_cast<uint4*>(dst + first);
-    const uint4* in = reinterpret_cast<const uint4*>(src);
-#pragma unroll
-    for (int k = 0; k < int(W * sizeof(T) / 16); ++k) __stcs(words + k, in[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < W; ++k) dst[first + k] = src[k];
-  }
-}
-
 // The threads of a block share [first_element, first_element + num_chunks * W)
 // in steps of kBlockThreads * U chunks.
 template <int W, int U, class Op>
 __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int64_t num_chunks) {
+#pragma unroll 1
   for (int64_t base = threadIdx.x; base < num_chunks; base += int64_t(kBlockThreads) * U) {
     typename Op::template Chunk<W> chunks[U];
 #pragma unroll
@@ -539,45 +507,36 @@ __device__ __forceinline__ void visit_chunks(Op& op, int64_t first_element, int6
   }
 }
 
-// The block walks range number `range` of the Schedule (by default its own):
-// Op::kVec-wide chunks when all of the op's pointers are 16-byte aligned, then
-// the range's tail one by one; else one by one.
 template <class Op>
-__device__ __forceinline__ void visit_block_range(Op& op, int64_t n, int64_t elements_per_block, bool vectorized,
-                                                  int64_t range = blockIdx.x) {
-  const int64_t begin = range * elements_per_block;
-  const int64_t count = (n - begin < elements_per_block ? n - begin : elements_per_block);
-  if (vectorized) {
+constexpr int64_t kTileElements = int64_t(kBlockThreads) * Op::kVec * Op::kChunksPerThread;
+
+// The block walks tile number `tile` (by default its own): Op::kChunksPerThread
+// Op::kVec-wide chunks per thread when all of the op's pointers are 16-byte
+// aligned, then the tile's tail one by one; else one by one.
+template <bool kVectorized, class Op>
+__device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blockIdx.x) {
+  constexpr int64_t kTileElements = fusedloss::kTileElements<Op>;
+  const int64_t begin = tile * kTileElements;
+  const int64_t count = (n - begin < kTileElements ? n - begin : kTileElements);
+  if constexpr (kVectorized) {
     const int64_t num_chunks = count / Op::kVec;
-    visit_chunks<Op::kVec, Op::kUnroll>(op, begin, num_chunks);
+    visit_chunks<Op::kVec, Op::kChunksPerThread>(op, begin, num_chunks);
     visit_chunks<1, 1>(op, begin + num_chunks * Op::kVec, count - num_chunks * Op::kVec);
   } else {
     visit_chunks<1, kScalarUnroll>(op, begin, count);
   }
 }
 
-// Blocks own contiguous ranges, sized so that every SM gets kBlocksPerSm
-// blocks, but no larger than kMaxChunksPerBlock: on big inputs many short-lived
-// blocks balance the load across SMs better than one persistent wave (measured
-// in benchmarks/reduce_variants.py). The schedule depends only on n, the op and
-// the SM count, so a reduction's summation order is the same on every run.
-constexpr int64_t kMaxChunksPerBlock = 4096;
-
-struct Schedule {
-  int64_t elements_per_block;
-  int blocks;
-};
-
+// One tile of kBlockThreads chunks per block, blocks in launch order: the
+// scheduler hands out the next tile as a block retires, so the whole GPU
+// streams through a narrow window of each tensor. Measured at 2^30 elements
+// (benchmarks/store_probe.py): 97-103% of copy bandwidth for read 2N + write N,
+// against 89% for blocks that own 64 KB ranges, and the same at every placement
+// of the output. The tiles depend only on n and the op, so a reduction's
+// summation order is the same on every run.
 template <class Op>
-inline Schedule make_schedule(int64_t n, int num_sms) {
-  const int64_t chunks = (n + Op::kVec - 1) / Op::kVec;
-  const int64_t step = int64_t(kBlockThreads) * Op::kUnroll;
-  const int64_t wave = int64_t(num_sms) * kBlocksPerSm;
-  int64_t per_block = (chunks + wave - 1) / wave;
-  per_block = per_block > 0 ? (per_block + step - 1) / step * step : step;
-  per_block = per_block < kMaxChunksPerBlock ? per_block : (kMaxChunksPerBlock / step) * step;
-  const int64_t blocks = (chunks + per_block - 1) / per_block;
-  return {per_block * Op::kVec, int(blocks)};
+inline int64_t num_tiles(int64_t n) {
+  return (n + kTileElements<Op> - 1) / kTileElements<Op>;
 }
 
 inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -604,11 +563,24 @@ __device__ __forceinline__ double block_sum(double v) {
 
 namespace fusedloss {
 
-// About 128 bytes of loads in flight per thread hide HBM latency without
-// spilling at 64 registers.
-constexpr int unroll_for(int bytes_per_chunk) { return 128 / bytes_per_chunk > 1 ? 128 / bytes_per_chunk : 1; }
+// Which gradients a kernel writes, fixed at compile time: a kernel that might
+// write the target's gradient needs registers for it, and the common cases
+// (none, or the input's) then fit 32 registers (8 blocks per SM) without
+// spilling. With kInputAndTarget the input's pointer may still be null.
+enum class Grads { kNone, kInput, kInputAndTarget };
 
-// The vector width covers 16 bytes of the narrower operand.
+template <Grads kGrads, typename In, typename Tgt>
+struct GradPointers {
+  In* __restrict__ grad_input;
+  Tgt* __restrict__ grad_target;
+  __device__ __forceinline__ bool writes_input() const {
+    return kGrads == Grads::kInput || (kGrads == Grads::kInputAndTarget && grad_input != nullptr);
+  }
+  static constexpr bool kWritesTarget = kGrads == Grads::kInputAndTarget;
+};
+
+// The vector width covers 16 bytes of the narrower operand; one chunk per
+// thread and tile unless an op says otherwise.
 template <class Loss, typename In, typename Tgt>
 struct PairOp {
   using T = opmath_t<In, Tgt>;
@@ -616,7 +588,7 @@ struct PairOp {
   using TgtT = Tgt;
   using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
-  static constexpr int kUnroll = unroll_for(kVec * int(sizeof(In) + sizeof(Tgt)));
+  static constexpr int kChunksPerThread = 1;
 
   template <int W>
   struct Chunk {
@@ -670,45 +642,42 @@ struct PairOp {
   }
 };
 
-// Loss partial sums, plus the scaled gradient(s) when their pointers are set.
-template <class Loss, typename In, typename Tgt>
-struct ReducedLossOp : PairOp<Loss, In, Tgt> {
+// Loss partial sums, plus the gradients (times grad_scale) that kGrads names.
+// Without gradients a thread reads two chunks where they fit 64 bytes: the pass
+// only reads, and its blocks retire so fast that per-block work would show.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   template <int W>
   using Chunk = typename Base::template Chunk<W>;
+  static constexpr int kChunksPerThread =
+      kGrads == Grads::kNone && Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
 
-  In* __restrict__ grad_input;
-  Tgt* __restrict__ grad_target;
   T grad_scale;
   double sum;
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
 
+  // One rounding from the fp32 product into each gradient's storage dtype; one
+  // loop, so no value outlives its element (register pressure).
   template <int W>
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) {
     T chunk_sum = 0;
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
 #pragma unroll
-    for (int k = 0; k < W; ++k) chunk_sum += this->value(c.input[k], c.target[k]);
-    sum += double(chunk_sum);
-    // One rounding from the fp32 product into each gradient's storage dtype.
-    if (grad_input != nullptr) {
-      alignas(16) In gi[W];
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * grad_scale);
-      }
-      store_chunk_streaming(grad_input, first, gi);
-    }
-    if (grad_target != nullptr) {
-      alignas(16) Tgt gt[W];
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
+    for (int k = 0; k < W; ++k) {
+      chunk_sum += this->value(c.input[k], c.target[k]);
+      if (this->writes_input()) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * grad_scale);
+      if constexpr (this->kWritesTarget) {
         gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * grad_scale);
       }
-      store_chunk_streaming(grad_target, first, gt);
     }
+    sum += double(chunk_sum);
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -736,19 +705,17 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
   }
 };
 
-template <class Loss, typename In, typename Tgt>
-struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt> {
+// The gradients of reduction='none' that kGrads names.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   using typename Base::Out;
   template <int W>
   using Chunk = typename Base::template Chunk<W>;
-  static constexpr int kUnroll = unroll_for(Base::kVec * int(sizeof(In) + sizeof(Tgt) + sizeof(Out)));
 
   const Out* __restrict__ grad_output;
   bool grad_output_is_scalar;
-  In* __restrict__ grad_input;
-  Tgt* __restrict__ grad_target;
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
@@ -763,11 +730,11 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
-      if (grad_input != nullptr) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * go);
-      if (grad_target != nullptr) gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * go);
+      if (this->writes_input()) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * go);
+      if constexpr (this->kWritesTarget) gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * go);
     }
-    if (grad_input != nullptr) store_chunk(grad_input, first, gi);
-    if (grad_target != nullptr) store_chunk(grad_target, first, gt);
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -775,7 +742,7 @@ template <typename S>
 struct ScaleOp {
   using T = opmath_t<S, S>;
   static constexpr int kVec = 16 / sizeof(S);
-  static constexpr int kUnroll = unroll_for(2 * kVec * int(sizeof(S)));
+  static constexpr int kChunksPerThread = 1;
   template <int W>
   struct Chunk {
     alignas(16) S data[W];
@@ -795,27 +762,39 @@ struct ScaleOp {
   }
 };
 
-template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, int64_t elements_per_block,
-                                                                     bool vectorized, double* block_sums) {
+template <bool kVectorized, class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n,
+                                                                                   double* block_sums) {
   op.sum = 0.0;
-  visit_block_range(op, n, elements_per_block, vectorized);
+  visit_tile<kVectorized>(op, n);
   const double total = block_sum(op.sum);
   if (threadIdx.x == 0) block_sums[blockIdx.x] = total;
 }
 
-template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n, int64_t elements_per_block,
-                                                                    bool vectorized) {
-  visit_block_range(op, n, elements_per_block, vectorized);
+template <bool kVectorized, class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
+  visit_tile<kVectorized>(op, n);
+}
+
+// Block b sums partials [b * kFinishFanIn, (b + 1) * kFinishFanIn) in a fixed
+// order: one level of the tree that folds a reduction's block partials.
+constexpr int kFinishFanIn = 2048;
+
+__global__ void __launch_bounds__(kBlockThreads) sum_partials_kernel(const double* partials, int64_t count,
+                                                                     double* sums) {
+  const int64_t begin = int64_t(blockIdx.x) * kFinishFanIn;
+  const int64_t end = count - begin < kFinishFanIn ? count : begin + kFinishFanIn;
+  double v = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kBlockThreads) v += partials[i];
+  v = block_sum(v);
+  if (threadIdx.x == 0) sums[blockIdx.x] = v;
 }
 
 template <typename Out>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) finish_reduction_kernel(const double* block_sums,
-                                                                         int num_blocks, int64_t numel,
-                                                                         bool mean, Out* out) {
+__global__ void __launch_bounds__(kBlockThreads) finish_reduction_kernel(const double* partials, int count,
+                                                                         int64_t numel, bool mean, Out* out) {
   double v = 0.0;
-  for (int i = threadIdx.x; i < num_blocks; i += kBlockThreads) v += block_sums[i];
+  for (int i = threadIdx.x; i < count; i += kBlockThreads) v += partials[i];
   v = block_sum(v);
   // An empty mean is 0 / 0 = NaN, as in PyTorch.
   if (threadIdx.x == 0) *out = Convert<Out>::from(mean ? v / double(numel) : v);
@@ -830,19 +809,18 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
   }
 }
 
-// One wave of blocks, each walking every gridDim.x-th range of the schedule:
-// when scale == 1 (the common loss.backward()) the whole launch is one wave
-// that exits at once, not tens of thousands of blocks.
-template <typename S>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t elements_per_block,
-                                                                       int64_t num_ranges, bool vectorized,
-                                                                       const void* scale, DType scale_dtype) {
+// One wave of blocks, each walking every gridDim.x-th tile: when scale == 1
+// (the common loss.backward()) the whole launch is one wave that exits at
+// once, not a million blocks.
+template <bool kVectorized, typename S>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t tiles,
+                                                                                     const void* scale,
+                                                                                     DType scale_dtype) {
   const double s = load_as_double(scale, scale_dtype);
   if (s == 1.0) return;
   ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
-  for (int64_t range = blockIdx.x; range < num_ranges; range += gridDim.x) {
-    visit_block_range(op, n, elements_per_block, vectorized, range);
-  }
+#pragma unroll 1
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) visit_tile<kVectorized>(op, n, tile);
 }
 
 // ---- host-side dispatch -------------------------------------------------
@@ -884,6 +862,19 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   return err;
 }
 
+template <Grads kGrads>
+using GradsConstant = std::integral_constant<Grads, kGrads>;
+
+// The same, with a fourth argument: the Grads the two pointers ask for.
+template <class F>
+cudaError_t with_problem_types(const LossProblem& p, const void* grad_input, const void* grad_target, F&& f) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    if (grad_target != nullptr) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
+    if (grad_input != nullptr) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
+    return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
+  });
+}
+
 // beta or delta converted to dtype D, as PyTorch does (1e6 is inf in fp16).
 template <typename D, typename T>
 LossParam<T> loss_param_in(double param) {
@@ -903,41 +894,50 @@ Op make_op(const LossProblem& p) {
   return op;
 }
 
-int reduced_loss_num_blocks(const LossProblem& p) {
-  int blocks = 0;
+int64_t reduced_loss_scratch_size(const LossProblem& p) {
+  int64_t tiles = 0;
   with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    blocks = make_schedule<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt)>>(p.numel, p.num_sms).blocks;
+    // the smaller tiles of a pass that writes gradients: the most partials
+    tiles = num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kInput>>(p.numel);
     return cudaSuccess;
   });
-  return blocks;
+  return std::max<int64_t>(tiles + (tiles + kFinishFanIn - 1) / kFinishFanIn, 1);
 }
 
-cudaError_t launch_reduced_loss(const LossProblem& p, double* block_sums, void* grad_input,
-                                void* grad_target, double grad_scale, cudaStream_t stream) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+cudaError_t launch_reduced_loss(const LossProblem& p, double* scratch, void* grad_input, void* grad_target,
+                                bool mean, void* out, DType out_dtype, cudaStream_t stream) {
+  int64_t partials = 0;
+  cudaError_t err = with_problem_types(p, grad_input, grad_target, [&](auto loss, auto in, auto tgt, auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
-    using Op = ReducedLossOp<decltype(loss), In, Tgt>;
-    const Schedule schedule = make_schedule<Op>(p.numel, p.num_sms);
-    if (schedule.blocks == 0) return cudaSuccess;
+    using Op = ReducedLossOp<decltype(loss), In, Tgt, grads()>;
+    partials = num_tiles<Op>(p.numel);
+    if (partials == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
     op.grad_input = static_cast<In*>(grad_input);
     op.grad_target = static_cast<Tgt*>(grad_target);
-    op.grad_scale = static_cast<typename Op::T>(grad_scale);
+    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
     const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
                             is_aligned16(grad_input) && is_aligned16(grad_target);
-    reduced_loss_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(op, p.numel, schedule.elements_per_block,
-                                                                      vectorized, block_sums);
+    const auto kernel = vectorized ? reduced_loss_kernel<true, Op> : reduced_loss_kernel<false, Op>;
+    kernel<<<partials, kBlockThreads, 0, stream>>>(op, p.numel, scratch);
     return cudaGetLastError();
   });
-}
-
-cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks, int64_t numel, bool mean,
-                                    void* out, DType out_dtype, cudaStream_t stream) {
-  cudaError_t err = cudaErrorInvalidValue;
+  // Fold the tile partials level by level, each level's sums going to the
+  // other end of the scratch, until one block can finish.
+  double* level = scratch;
+  double* next_level = scratch + partials;
+  while (err == cudaSuccess && partials > kFinishFanIn) {
+    const int64_t sums = (partials + kFinishFanIn - 1) / kFinishFanIn;
+    sum_partials_kernel<<<sums, kBlockThreads, 0, stream>>>(level, partials, next_level);
+    err = cudaGetLastError();
+    std::swap(level, next_level);
+    partials = sums;
+  }
+  if (err != cudaSuccess) return err;
   with_dtype(out_dtype, [&](auto o) {
     using Out = decltype(o);
-    finish_reduction_kernel<<<1, kBlockThreads, 0, stream>>>(block_sums, num_blocks, numel, mean,
+    finish_reduction_kernel<<<1, kBlockThreads, 0, stream>>>(level, int(partials), p.numel, mean,
                                                             static_cast<Out*>(out));
     err = cudaGetLastError();
   });
@@ -947,13 +947,13 @@ cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks, in
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
   return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = PointwiseLossOp<decltype(loss), decltype(in), decltype(tgt)>;
-    const Schedule schedule = make_schedule<Op>(p.numel, p.num_sms);
-    if (schedule.blocks == 0) return cudaSuccess;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
     op.out = static_cast<typename Op::Out*>(out);
     const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) && is_aligned16(out);
-    elementwise_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(op, p.numel, schedule.elements_per_block,
-                                                                     vectorized);
+    const auto kernel = vectorized ? elementwise_kernel<true, Op> : elementwise_kernel<false, Op>;
+    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel);
     return cudaGetLastError();
   });
 }
@@ -961,23 +961,27 @@ cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t 
 cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
                                            bool grad_output_is_scalar, void* grad_input,
                                            void* grad_target, cudaStream_t stream) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, grad_input, grad_target, [&](auto loss, auto in, auto tgt, auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
-    using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt>;
-    const Schedule schedule = make_schedule<Op>(p.numel, p.num_sms);
-    if (schedule.blocks == 0) return cudaSuccess;
-    Op op = make_op<Op>(p);
-    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-    op.grad_output_is_scalar = grad_output_is_scalar;
-    op.grad_input = static_cast<In*>(grad_input);
-    op.grad_target = static_cast<Tgt*>(grad_target);
-    const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
-                            (grad_output_is_scalar || is_aligned16(grad_output)) &&
-                            is_aligned16(grad_input) && is_aligned16(grad_target);
-    elementwise_kernel<<<schedule.blocks, kBlockThreads, 0, stream>>>(op, p.numel, schedule.elements_per_block,
-                                                                     vectorized);
-    return cudaGetLastError();
+    using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt, grads()>;
+    if constexpr (grads() == Grads::kNone) {
+      return cudaSuccess;
+    } else {
+      const int64_t tiles = num_tiles<Op>(p.numel);
+      if (tiles == 0) return cudaSuccess;
+      Op op = make_op<Op>(p);
+      op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+      op.grad_output_is_scalar = grad_output_is_scalar;
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                              (grad_output_is_scalar || is_aligned16(grad_output)) &&
+                              is_aligned16(grad_input) && is_aligned16(grad_target);
+      const auto kernel = vectorized ? elementwise_kernel<true, Op> : elementwise_kernel<false, Op>;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel);
+      return cudaGetLastError();
+    }
   });
 }
 
@@ -986,12 +990,11 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
   cudaError_t err = cudaSuccess;
   with_dtype(dtype, [&](auto s) {
     using S = decltype(s);
-    const Schedule schedule = make_schedule<ScaleOp<S>>(numel, num_sms);
-    if (schedule.blocks == 0) return;
-    const int wave = std::min(schedule.blocks, num_sms * kBlocksPerSm);
-    scale_in_place_kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel,
-                                                             schedule.elements_per_block, schedule.blocks,
-                                                             is_aligned16(data), scale, scale_dtype);
+    const int64_t tiles = num_tiles<ScaleOp<S>>(numel);
+    if (tiles == 0) return;
+    const int64_t wave = std::min<int64_t>(tiles, int64_t(num_sms) * kBlocksPerSm);
+    const auto kernel = is_aligned16(data) ? scale_in_place_kernel<true, S> : scale_in_place_kernel<false, S>;
+    kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel, tiles, scale, scale_dtype);
     err = cudaGetLastError();
   });
   return err;

@@ -182,8 +182,10 @@ def test_peak_memory_of_a_training_step_is_not_above_eager(name):
         _loss(name, fn_index, input, target, "mean").backward()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
-    # Slack for the reduction's block partials (a few KiB); the gradient is the 64 MiB.
-    assert peaks[0] <= peaks[1] + 8192
+    # The gradient is the 64 MiB. On top of it while the forward kernel runs: the
+    # reduction's partial sums, one double per tile of 4 KiB of input (README,
+    # "Gradient in the forward pass"), and a few KiB of small blocks.
+    assert peaks[0] <= peaks[1] + input.nbytes // 512 + 8192
 
 
 def test_no_grad_keeps_no_buffer():

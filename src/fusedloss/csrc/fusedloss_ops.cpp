@@ -88,8 +88,7 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
                             to_dtype(ops.input.scalar_type()),
                             ops.target.data_ptr(),
                             to_dtype(ops.target.scalar_type()),
-                            ops.input.numel(),
-                            current_device_sm_count()};
+                            ops.input.numel()};
   return ops;
 }
 
@@ -140,20 +139,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param);
-  const int64_t n = ops.problem.numel;
-  const int num_blocks = reduced_loss_num_blocks(ops.problem);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-
-  at::Tensor block_sums = at::empty({std::max(num_blocks, 1)}, ops.input.options().dtype(at::kDouble));
+  at::Tensor scratch = at::empty({reduced_loss_scratch_size(ops.problem)}, ops.input.options().dtype(at::kDouble));
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  const double grad_scale = mean ? 1.0 / static_cast<double>(n) : 1.0;
-
-  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, block_sums.data_ptr<double>(), data_or_null(grad_input),
-                                     data_or_null(grad_target), grad_scale, stream));
-  C10_CUDA_CHECK(launch_finish_reduction(block_sums.data_ptr<double>(), num_blocks, n, mean, out.data_ptr(),
-                                         to_dtype(ops.loss_dtype), stream));
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr<double>(), data_or_null(grad_input),
+                                     data_or_null(grad_target), mean, out.data_ptr(), to_dtype(ops.loss_dtype),
+                                     c10::cuda::getCurrentCUDAStream()));
   return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
 }
 

@@ -21,22 +21,16 @@ struct LossProblem {
   const void* target;
   DType target_dtype;
   int64_t numel;
-  int num_sms;
 };
 
-// Pass 1 of a mean or sum: one block partial per launched block in
-// `block_sums`, and, where the pointers are set, d loss / d input and
-// d loss / d target multiplied by `grad_scale` (1/N for a mean).
-// `block_sums` must hold reduced_loss_num_blocks(problem) doubles.
-int reduced_loss_num_blocks(const LossProblem& problem);
-cudaError_t launch_reduced_loss(const LossProblem& problem, double* block_sums,
-                                void* grad_input, void* grad_target,
-                                double grad_scale, cudaStream_t stream);
-
-// Pass 2: sums the block partials in a fixed order and writes the 0-d result.
-cudaError_t launch_finish_reduction(const double* block_sums, int num_blocks,
-                                    int64_t numel, bool mean, void* out,
-                                    DType out_dtype, cudaStream_t stream);
+// A mean or sum: one partial sum per tile in `scratch`, folded in a fixed
+// order into the 0-d `out`; and, where the pointers are set, d loss / d input
+// and d loss / d target (times 1/N for a mean) in the same pass.
+// `scratch` must hold reduced_loss_scratch_size(problem) doubles.
+int64_t reduced_loss_scratch_size(const LossProblem& problem);
+cudaError_t launch_reduced_loss(const LossProblem& problem, double* scratch, void* grad_input,
+                                void* grad_target, bool mean, void* out, DType out_dtype,
+                                cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
