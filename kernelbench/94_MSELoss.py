@@ -515,9 +515,8 @@ constexpr int64_t kTileElements = int64_t(kBlockThreads) * Op::kVec * Op::kChunk
 // aligned, then the tile's tail one by one; else one by one.
 template <bool kVectorized, class Op>
 __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blockIdx.x) {
-  constexpr int64_t kTileElements = fusedloss::kTileElements<Op>;
-  const int64_t begin = tile * kTileElements;
-  const int64_t count = (n - begin < kTileElements ? n - begin : kTileElements);
+  const int64_t begin = tile * kTileElements<Op>;
+  const int64_t count = (n - begin < kTileElements<Op> ? n - begin : kTileElements<Op>);
   if constexpr (kVectorized) {
     const int64_t num_chunks = count / Op::kVec;
     visit_chunks<Op::kVec, Op::kChunksPerThread>(op, begin, num_chunks);
@@ -527,9 +526,9 @@ __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blo
   }
 }
 
-// One tile of kBlockThreads chunks per block, blocks in launch order: the
-// scheduler hands out the next tile as a block retires, so the whole GPU
-// streams through a narrow window of each tensor. Measured at 2^30 elements
+// One tile of kBlockThreads * Op::kChunksPerThread chunks per block, blocks in
+// launch order: the scheduler hands out the next tile as a block retires, so
+// the whole GPU streams through a narrow window of each tensor. Measured at 2^30 elements
 // (benchmarks/store_probe.py): 97-103% of copy bandwidth for read 2N + write N,
 // against 89% for blocks that own 64 KB ranges, and the same at every placement
 // of the output. The tiles depend only on n and the op, so a reduction's
@@ -764,11 +763,11 @@ struct ScaleOp {
 
 template <bool kVectorized, class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n,
-                                                                                   double* block_sums) {
+                                                                                   double* partials) {
   op.sum = 0.0;
   visit_tile<kVectorized>(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) block_sums[blockIdx.x] = total;
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
 template <bool kVectorized, class Op>
@@ -776,26 +775,29 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
   visit_tile<kVectorized>(op, n);
 }
 
-// Block b sums partials [b * kFinishFanIn, (b + 1) * kFinishFanIn) in a fixed
-// order: one level of the tree that folds a reduction's block partials.
-constexpr int kFinishFanIn = 2048;
-
-__global__ void __launch_bounds__(kBlockThreads) sum_partials_kernel(const double* partials, int64_t count,
-                                                                     double* sums) {
-  const int64_t begin = int64_t(blockIdx.x) * kFinishFanIn;
-  const int64_t end = count - begin < kFinishFanIn ? count : begin + kFinishFanIn;
+// Sums partials [begin, end) over the block in a fixed order; valid in thread 0.
+__device__ __forceinline__ double sum_partials(const double* partials, int64_t begin, int64_t end) {
   double v = 0.0;
   for (int64_t i = begin + threadIdx.x; i < end; i += kBlockThreads) v += partials[i];
-  v = block_sum(v);
+  return block_sum(v);
+}
+
+// Block b folds partials [b * kFinishFanIn, (b + 1) * kFinishFanIn): one level
+// of the tree that folds a reduction's tile partials.
+constexpr int kFinishFanIn = 2048;
+
+__global__ void __launch_bounds__(kBlockThreads) fold_partials_kernel(const double* partials, int64_t count,
+                                                                      double* sums) {
+  const int64_t begin = int64_t(blockIdx.x) * kFinishFanIn;
+  const int64_t end = count - begin < kFinishFanIn ? count : begin + kFinishFanIn;
+  const double v = sum_partials(partials, begin, end);
   if (threadIdx.x == 0) sums[blockIdx.x] = v;
 }
 
 template <typename Out>
 __global__ void __launch_bounds__(kBlockThreads) finish_reduction_kernel(const double* partials, int count,
                                                                          int64_t numel, bool mean, Out* out) {
-  double v = 0.0;
-  for (int i = threadIdx.x; i < count; i += kBlockThreads) v += partials[i];
-  v = block_sum(v);
+  const double v = sum_partials(partials, 0, count);
   // An empty mean is 0 / 0 = NaN, as in PyTorch.
   if (threadIdx.x == 0) *out = Convert<Out>::from(mean ? v / double(numel) : v);
 }
@@ -929,7 +931,7 @@ cudaError_t launch_reduced_loss(const LossProblem& p, double* scratch, void* gra
   double* next_level = scratch + partials;
   while (err == cudaSuccess && partials > kFinishFanIn) {
     const int64_t sums = (partials + kFinishFanIn - 1) / kFinishFanIn;
-    sum_partials_kernel<<<sums, kBlockThreads, 0, stream>>>(level, partials, next_level);
+    fold_partials_kernel<<<sums, kBlockThreads, 0, stream>>>(level, partials, next_level);
     err = cudaGetLastError();
     std::swap(level, next_level);
     partials = sums;

@@ -71,9 +71,8 @@ constexpr int64_t kTileElements = int64_t(kBlockThreads) * Op::kVec * Op::kChunk
 // aligned, then the tile's tail one by one; else one by one.
 template <bool kVectorized, class Op>
 __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blockIdx.x) {
-  constexpr int64_t kTileElements = fusedloss::kTileElements<Op>;
-  const int64_t begin = tile * kTileElements;
-  const int64_t count = (n - begin < kTileElements ? n - begin : kTileElements);
+  const int64_t begin = tile * kTileElements<Op>;
+  const int64_t count = (n - begin < kTileElements<Op> ? n - begin : kTileElements<Op>);
   if constexpr (kVectorized) {
     const int64_t num_chunks = count / Op::kVec;
     visit_chunks<Op::kVec, Op::kChunksPerThread>(op, begin, num_chunks);
@@ -83,9 +82,9 @@ __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blo
   }
 }
 
-// One tile of kBlockThreads chunks per block, blocks in launch order: the
-// scheduler hands out the next tile as a block retires, so the whole GPU
-// streams through a narrow window of each tensor. Measured at 2^30 elements
+// One tile of kBlockThreads * Op::kChunksPerThread chunks per block, blocks in
+// launch order: the scheduler hands out the next tile as a block retires, so
+// the whole GPU streams through a narrow window of each tensor. Measured at 2^30 elements
 // (benchmarks/store_probe.py): 97-103% of copy bandwidth for read 2N + write N,
 // against 89% for blocks that own 64 KB ranges, and the same at every placement
 // of the output. The tiles depend only on n and the op, so a reduction's
