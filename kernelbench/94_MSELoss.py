@@ -60,14 +60,15 @@ struct LossProblem {
   int64_t numel;
 };
 
-// A mean or sum: one partial sum per tile in `scratch`, folded in a fixed
-// order into the 0-d `out`; and, where the pointers are set, d loss / d input
-// and d loss / d target (times 1/N for a mean) in the same pass.
-// `scratch` must hold reduced_loss_scratch_size(problem) doubles.
-int64_t reduced_loss_scratch_size(const LossProblem& problem);
-cudaError_t launch_reduced_loss(const LossProblem& problem, double* scratch, void* grad_input,
-                                void* grad_target, bool mean, void* out, DType out_dtype,
-                                cudaStream_t stream);
+// A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
+// below): each tile's partial sum is added exactly into `scratch`
+// (reduced_loss_scratch_bytes, 512 or 2048 bytes; the launch zeroes it), so
+// the result has the same bits on every run and needs no memory in proportion
+// to N; and, where the pointers are set, d loss / d input and d loss / d target
+// (times 1/N for a mean) in the same pass.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_input, bool writes_target);
+cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
+                                void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -219,12 +220,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param);
-  at::Tensor scratch = at::empty({reduced_loss_scratch_size(ops.problem)}, ops.input.options().dtype(at::kDouble));
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr<double>(), data_or_null(grad_input),
-                                     data_or_null(grad_target), mean, out.data_ptr(), to_dtype(ops.loss_dtype),
+  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem, grad_input.numel() > 0,
+                                                           grad_target.numel() > 0);
+  at::Tensor scratch = at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte));
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr(), data_or_null(grad_input),
+                                     data_or_null(grad_target), mean, out.data_ptr(),
                                      c10::cuda::getCurrentCUDAStream()));
   return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
 }
@@ -280,14 +283,15 @@ struct LossProblem {
   int64_t numel;
 };
 
-// A mean or sum: one partial sum per tile in `scratch`, folded in a fixed
-// order into the 0-d `out`; and, where the pointers are set, d loss / d input
-// and d loss / d target (times 1/N for a mean) in the same pass.
-// `scratch` must hold reduced_loss_scratch_size(problem) doubles.
-int64_t reduced_loss_scratch_size(const LossProblem& problem);
-cudaError_t launch_reduced_loss(const LossProblem& problem, double* scratch, void* grad_input,
-                                void* grad_target, bool mean, void* out, DType out_dtype,
-                                cudaStream_t stream);
+// A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
+// below): each tile's partial sum is added exactly into `scratch`
+// (reduced_loss_scratch_bytes, 512 or 2048 bytes; the launch zeroes it), so
+// the result has the same bits on every run and needs no memory in proportion
+// to N; and, where the pointers are set, d loss / d input and d loss / d target
+// (times 1/N for a mean) in the same pass.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_input, bool writes_target);
+cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
+                                void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -532,7 +536,7 @@ __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blo
 // (benchmarks/store_probe.py): 97-103% of copy bandwidth for read 2N + write N,
 // against 89% for blocks that own 64 KB ranges, and the same at every placement
 // of the output. The tiles depend only on n and the op, so a reduction's
-// summation order is the same on every run.
+// partial sums are the same on every run.
 template <class Op>
 inline int64_t num_tiles(int64_t n) {
   return (n + kTileElements<Op> - 1) / kTileElements<Op>;
@@ -556,6 +560,143 @@ __device__ __forceinline__ double block_sum(double v) {
   }
   return v;
 }
+
+}  // namespace fusedloss
+
+// Exact, order-free summation of a reduction's tile partials in a few hundred
+// bytes.
+//
+// Tiles finish in any order. Keeping one partial per tile and folding them in a
+// fixed order costs memory in proportion to N; here each tile adds its partial
+// into one fixed-point integer with integer atomics instead. Integer addition
+// does not depend on order, so the result has the same bits on every run, and it
+// is the exact sum of the partials, rounded once at the end.
+//
+// Why an integer holds it: every value a loss sums is >= 0 (or NaN / +inf, which
+// set a flag), a whole multiple of 2^kLowExponent (the smallest subnormal of T,
+// the type the loss is computed in), and a tile's partial is below
+// 2^kHighExponent. The integer is stored as base-2^34 digits in 64-bit words: a
+// partial touches at most three digits, and the 30 spare bits of a word absorb
+// the carries of up to 2^30 tiles (launch_reduced_loss refuses more).
+//
+// Neighbouring tiles add into different copies of the digits, each copy from
+// the start of its own 128-byte line, as many as the caller's scratch holds:
+// atomics from many tiles to a few lines queue at L2 (benchmarks/sum_probe.py).
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+namespace fusedloss {
+
+using Word = unsigned long long;  // the type CUDA's 64-bit atomics take
+
+constexpr int kLineWords = 128 / sizeof(Word);
+constexpr int kDigitBits = 34;
+constexpr int kMaxTilesLog2 = 64 - kDigitBits;
+constexpr Word kDigitMask = (Word(1) << kDigitBits) - 1;
+constexpr Word kSawNaN = 1;
+constexpr Word kSawInf = 2;
+
+template <typename T>
+struct ExactSumRange;
+// fp32 losses: partials are double sums of at most 2^13 finite fp32 values.
+template <>
+struct ExactSumRange<float> {
+  static constexpr int kLowExponent = -149;
+  static constexpr int kHighExponent = 128 + 13;
+};
+template <>
+struct ExactSumRange<double> {
+  static constexpr int kLowExponent = -1074;
+  static constexpr int kHighExponent = 1024;
+};
+
+template <typename T>
+struct ExactSum {
+  static constexpr int kLowExponent = ExactSumRange<T>::kLowExponent;
+  static constexpr int kDigits =
+      (ExactSumRange<T>::kHighExponent + kMaxTilesLog2 - kLowExponent + kDigitBits - 1) / kDigitBits;
+  // A copy: its flags, then its digits, from the start of a line.
+  static constexpr int kCopyWords = (1 + kDigits + kLineWords - 1) / kLineWords * kLineWords;
+  // Values per tile that kHighExponent allows for.
+  static constexpr int64_t kMaxTileValues = int64_t(1) << 13;
+
+  // Adds `partial` (>= 0, NaN or +inf), a tile's sum, into the copy at `copy`.
+  // One thread per tile.
+  __device__ __forceinline__ static void add(Word* copy, double partial) {
+    if (!(partial <= DBL_MAX)) {
+      atomicOr(copy, isnan(partial) ? kSawNaN : kSawInf);
+      return;
+    }
+    if (partial == 0.0) return;
+    const Word bits = Word(__double_as_longlong(partial));
+    const int biased_exponent = int(bits >> 52);
+    Word mantissa = bits & ((Word(1) << 52) - 1);
+    int exponent = -1074;  // partial == mantissa * 2^exponent
+    if (biased_exponent != 0) {
+      mantissa |= Word(1) << 52;
+      exponent = biased_exponent - 1075;
+    }
+    // partial is a multiple of 2^kLowExponent: only zero bits shift out.
+    if (exponent < kLowExponent) {
+      mantissa >>= kLowExponent - exponent;
+      exponent = kLowExponent;
+    }
+    const int offset = exponent - kLowExponent;
+    const int shift = offset % kDigitBits;
+    // The 53-bit mantissa shifted by < kDigitBits, cut into three digits.
+    const Word digits[3] = {(mantissa << shift) & kDigitMask, (mantissa >> (kDigitBits - shift)) & kDigitMask,
+                            2 * kDigitBits - shift < 53 ? mantissa >> (2 * kDigitBits - shift) : 0};
+    Word* sum = copy + 1 + offset / kDigitBits;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      if (digits[k] != 0) atomicAdd(sum + k, digits[k]);
+    }
+  }
+
+  // The sum of everything added to the `copies` copies at `words` (in shared
+  // memory, which this overwrites), rounded to the nearest double, ties to
+  // even. One thread.
+  __device__ static double total(Word* words, int copies) {
+    Word flags = 0;
+    for (int c = 0; c < copies; ++c) flags |= words[c * kCopyWords];
+    if (flags & kSawNaN) return NAN;
+    if (flags & kSawInf) return INFINITY;
+    // Fold the copies into copy 0, carrying: afterwards each digit < 2^kDigitBits.
+    Word* digits = words + 1;
+    unsigned __int128 carry = 0;
+    for (int d = 0; d < kDigits; ++d) {
+      for (int c = 0; c < copies; ++c) carry += digits[c * kCopyWords + d];
+      digits[d] = Word(carry) & kDigitMask;
+      carry >>= kDigitBits;
+    }
+    int top = kDigits - 1;
+    while (top >= 0 && digits[top] == 0) --top;
+    if (top < 0) return 0.0;
+    // The top three digits carry more than 53 bits; of those below, only
+    // whether any is set matters for rounding.
+    const int low = top < 2 ? 0 : top - 2;
+    unsigned __int128 window = 0;
+    for (int d = top; d >= low; --d) window = (window << kDigitBits) | digits[d];
+    bool sticky = false;
+    for (int d = 0; d < low; ++d) sticky |= digits[d] != 0;
+    int exponent = kLowExponent + low * kDigitBits;
+    const Word high = Word(window >> 64);
+    const int length = high != 0 ? 128 - __clzll(high) : 64 - __clzll(Word(window));
+    if (length > 53) {
+      const int drop = length - 53;
+      const unsigned __int128 one = 1;
+      const unsigned __int128 rest = window & ((one << drop) - 1);
+      const unsigned __int128 half = one << (drop - 1);
+      window >>= drop;
+      exponent += drop;
+      if (rest > half || (rest == half && (sticky || (window & 1)))) ++window;
+    }
+    // Exact unless it overflows to inf: below 2^-1022 the sum has < 53 bits.
+    return ldexp(double(Word(window)), exponent);
+  }
+};
 
 }  // namespace fusedloss
 
@@ -641,7 +782,7 @@ struct PairOp {
   }
 };
 
-// Loss partial sums, plus the gradients (times grad_scale) that kGrads names.
+// Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
 // Without gradients a thread reads two chunks where they fit 64 bytes: the pass
 // only reads, and its blocks retire so fast that per-block work would show.
 template <class Loss, typename In, typename Tgt, Grads kGrads>
@@ -761,13 +902,40 @@ struct ScaleOp {
   }
 };
 
-template <bool kVectorized, class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n,
-                                                                                   double* partials) {
+// The reduction's scratch (exact_sum.cuh) is one 512-byte allocator block, as
+// small as the 0-d loss's, for launches of fewer than kLargeScratchFromTiles
+// tiles (4M to 32M elements, by tile size). From there on it is 2 KiB, 16
+// lines for fp32 losses (4 for fp64, whose copies take 4 lines each): with 4
+// lines, queued atomics cost a million tiles 5-9% of the bandwidth
+// (benchmarks/sum_probe.py). Eager PyTorch's own mean allocates more than that
+// for its staging at those sizes, so a training step's peak stays at or below
+// eager's (benchmarks/peak_memory.py).
+constexpr int64_t kSmallScratchBytes = 512;
+constexpr int64_t kLargeScratchBytes = 2048;
+constexpr int64_t kLargeScratchFromTiles = 8192;
+constexpr int kMaxScratchWords = kLargeScratchBytes / sizeof(Word);
+
+__host__ __device__ constexpr int64_t scratch_bytes(int64_t tiles) {
+  return tiles < kLargeScratchFromTiles ? kSmallScratchBytes : kLargeScratchBytes;
+}
+
+// How many copies of the exact sum the scratch holds: a power of two.
+template <typename T>
+__host__ __device__ constexpr int scratch_copies(int64_t tiles) {
+  static_assert(ExactSum<T>::kCopyWords * sizeof(Word) <= kSmallScratchBytes, "a copy must fit the scratch");
+  return int(scratch_bytes(tiles) / sizeof(Word)) / ExactSum<T>::kCopyWords;
+}
+
+// kCopies is a template parameter: chosen at run time, it tips these kernels
+// over 32 registers.
+template <bool kVectorized, int kCopies, class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
+  using Sum = ExactSum<typename Op::T>;
+  static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
   op.sum = 0.0;
   visit_tile<kVectorized>(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+  if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
 }
 
 template <bool kVectorized, class Op>
@@ -775,31 +943,17 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
   visit_tile<kVectorized>(op, n);
 }
 
-// Sums partials [begin, end) over the block in a fixed order; valid in thread 0.
-__device__ __forceinline__ double sum_partials(const double* partials, int64_t begin, int64_t end) {
-  double v = 0.0;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kBlockThreads) v += partials[i];
-  return block_sum(v);
-}
-
-// Block b folds partials [b * kFinishFanIn, (b + 1) * kFinishFanIn): one level
-// of the tree that folds a reduction's tile partials.
-constexpr int kFinishFanIn = 2048;
-
-__global__ void __launch_bounds__(kBlockThreads) fold_partials_kernel(const double* partials, int64_t count,
-                                                                      double* sums) {
-  const int64_t begin = int64_t(blockIdx.x) * kFinishFanIn;
-  const int64_t end = count - begin < kFinishFanIn ? count : begin + kFinishFanIn;
-  const double v = sum_partials(partials, begin, end);
-  if (threadIdx.x == 0) sums[blockIdx.x] = v;
-}
-
-template <typename Out>
-__global__ void __launch_bounds__(kBlockThreads) finish_reduction_kernel(const double* partials, int count,
-                                                                         int64_t numel, bool mean, Out* out) {
-  const double v = sum_partials(partials, 0, count);
-  // An empty mean is 0 / 0 = NaN, as in PyTorch.
-  if (threadIdx.x == 0) *out = Convert<Out>::from(mean ? v / double(numel) : v);
+template <typename T, typename Out>
+__global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(const Word* sum, int copies,
+                                                                            int64_t numel, bool mean, Out* out) {
+  __shared__ Word words[kMaxScratchWords];
+  if (threadIdx.x < copies * ExactSum<T>::kCopyWords) words[threadIdx.x] = sum[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double total = ExactSum<T>::total(words, copies);
+    // An empty mean is 0 / 0 = NaN, as in PyTorch.
+    *out = Convert<Out>::from(mean ? total / double(numel) : total);
+  }
 }
 
 __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
@@ -867,12 +1021,12 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
 template <Grads kGrads>
 using GradsConstant = std::integral_constant<Grads, kGrads>;
 
-// The same, with a fourth argument: the Grads the two pointers ask for.
+// The same, with a fourth argument: the Grads that writing these gradients takes.
 template <class F>
-cudaError_t with_problem_types(const LossProblem& p, const void* grad_input, const void* grad_target, F&& f) {
+cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool writes_target, F&& f) {
   return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    if (grad_target != nullptr) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
-    if (grad_input != nullptr) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
+    if (writes_target) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
+    if (writes_input) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
     return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
   });
 }
@@ -896,54 +1050,51 @@ Op make_op(const LossProblem& p) {
   return op;
 }
 
-int64_t reduced_loss_scratch_size(const LossProblem& p) {
-  int64_t tiles = 0;
-  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    // the smaller tiles of a pass that writes gradients: the most partials
-    tiles = num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kInput>>(p.numel);
+int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_input, bool writes_target) {
+  int64_t bytes = 0;
+  with_problem_types(p, writes_input, writes_target, [&](auto loss, auto in, auto tgt, auto grads) {
+    bytes = scratch_bytes(num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), grads()>>(p.numel));
     return cudaSuccess;
   });
-  return std::max<int64_t>(tiles + (tiles + kFinishFanIn - 1) / kFinishFanIn, 1);
+  return bytes;
 }
 
-cudaError_t launch_reduced_loss(const LossProblem& p, double* scratch, void* grad_input, void* grad_target,
-                                bool mean, void* out, DType out_dtype, cudaStream_t stream) {
-  int64_t partials = 0;
-  cudaError_t err = with_problem_types(p, grad_input, grad_target, [&](auto loss, auto in, auto tgt, auto grads) {
+cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_input, void* grad_target,
+                                bool mean, void* out, cudaStream_t stream) {
+  Word* sum = static_cast<Word*>(scratch);
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
+                                                                                  auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt, grads()>;
-    partials = num_tiles<Op>(p.numel);
-    if (partials == 0) return cudaSuccess;
-    Op op = make_op<Op>(p);
-    op.grad_input = static_cast<In*>(grad_input);
-    op.grad_target = static_cast<Tgt*>(grad_target);
-    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
-    const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
-                            is_aligned16(grad_input) && is_aligned16(grad_target);
-    const auto kernel = vectorized ? reduced_loss_kernel<true, Op> : reduced_loss_kernel<false, Op>;
-    kernel<<<partials, kBlockThreads, 0, stream>>>(op, p.numel, scratch);
+    using T = typename Op::T;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles > (int64_t(1) << kMaxTilesLog2)) return cudaErrorInvalidValue;  // the digits could overflow
+    cudaError_t err = cudaMemsetAsync(sum, 0, scratch_bytes(tiles), stream);
+    if (err != cudaSuccess) return err;
+    if (tiles > 0) {
+      Op op = make_op<Op>(p);
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      op.grad_scale = static_cast<T>(mean ? 1.0 / double(p.numel) : 1.0);
+      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                              is_aligned16(grad_input) && is_aligned16(grad_target);
+      constexpr int kSmall = scratch_copies<T>(0);
+      constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
+      const auto small_kernel =
+          vectorized ? reduced_loss_kernel<true, kSmall, Op> : reduced_loss_kernel<false, kSmall, Op>;
+      const auto large_kernel =
+          vectorized ? reduced_loss_kernel<true, kLarge, Op> : reduced_loss_kernel<false, kLarge, Op>;
+      const auto kernel = scratch_copies<T>(tiles) == kLarge ? large_kernel : small_kernel;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+    using Out = typename Op::Out;
+    finish_reduction_kernel<T, Out><<<1, kMaxScratchWords, 0, stream>>>(sum, scratch_copies<T>(tiles), p.numel, mean,
+                                                                         static_cast<Out*>(out));
     return cudaGetLastError();
   });
-  // Fold the tile partials level by level, each level's sums going to the
-  // other end of the scratch, until one block can finish.
-  double* level = scratch;
-  double* next_level = scratch + partials;
-  while (err == cudaSuccess && partials > kFinishFanIn) {
-    const int64_t sums = (partials + kFinishFanIn - 1) / kFinishFanIn;
-    fold_partials_kernel<<<sums, kBlockThreads, 0, stream>>>(level, partials, next_level);
-    err = cudaGetLastError();
-    std::swap(level, next_level);
-    partials = sums;
-  }
-  if (err != cudaSuccess) return err;
-  with_dtype(out_dtype, [&](auto o) {
-    using Out = decltype(o);
-    finish_reduction_kernel<<<1, kBlockThreads, 0, stream>>>(level, int(partials), p.numel, mean,
-                                                            static_cast<Out*>(out));
-    err = cudaGetLastError();
-  });
-  return err;
 }
 
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
@@ -963,7 +1114,8 @@ cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t 
 cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
                                            bool grad_output_is_scalar, void* grad_input,
                                            void* grad_target, cudaStream_t stream) {
-  return with_problem_types(p, grad_input, grad_target, [&](auto loss, auto in, auto tgt, auto grads) {
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
+                                                                                  auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt, grads()>;

@@ -36,7 +36,7 @@ def test_build_root_honours_torch_extensions_dir(monkeypatch, tmp_path):
 
 def test_package_ships_the_kernel_sources():
     names = {p.name for p in build.CSRC.iterdir()}
-    assert {"launch.h", "dtypes.cuh", "losses.cuh", "elementwise.cuh", "loss_kernels.cu",
+    assert {"launch.h", "dtypes.cuh", "losses.cuh", "elementwise.cuh", "exact_sum.cuh", "loss_kernels.cu",
             "fusedloss_ops.cpp"} <= names
 
 

@@ -170,9 +170,11 @@ def test_loss_backward_has_no_host_sync():
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_peak_memory_of_a_training_step_is_not_above_eager(name):
-    input = torch.randn(1 << 24, device="cuda", requires_grad=True)
-    target = torch.randn(1 << 24, device="cuda")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [3 * 4099, 1 << 19, 1 << 22, 1 << 24])  # both sizes of the reduction's scratch
+def test_peak_memory_of_a_training_step_is_not_above_eager(name, dtype, n):
+    input = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+    target = torch.randn(n, device="cuda", dtype=dtype)
     peaks = []
     for fn_index in (0, 1):
         input.grad = None
@@ -182,10 +184,9 @@ def test_peak_memory_of_a_training_step_is_not_above_eager(name):
         _loss(name, fn_index, input, target, "mean").backward()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
-    # The gradient is the 64 MiB. On top of it while the forward kernel runs: the
-    # reduction's partial sums, one double per tile of 4 KiB of input (README,
-    # "Gradient in the forward pass"), and a few KiB of small blocks.
-    assert peaks[0] <= peaks[1] + input.nbytes // 512 + 8192
+    # Both hold one N-element gradient. The rest is small blocks: fusedloss's
+    # reduction scratch must take no more than eager's staging for its mean.
+    assert peaks[0] <= peaks[1]
 
 
 def test_no_grad_keeps_no_buffer():

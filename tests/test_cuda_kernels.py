@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -137,11 +138,37 @@ def test_zero_dim_and_empty(name):
 
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bitwise_deterministic(name, dtype):
-    input, target = _values((3_000_017,), dtype), _values((3_000_017,), torch.float32)
+@pytest.mark.parametrize("n", [3_000_017, 40_000_003])  # fewer and more than 8192 tiles
+def test_bitwise_deterministic(name, dtype, n):
+    input, target = _values((n,), dtype), _values((n,), torch.float32)
     for reduction in ("mean", "sum", "none"):
         runs = [LOSSES[name][0](input, target, reduction=reduction).cpu().reshape(-1) for _ in range(10)]
         assert all(torch.equal(run.view(torch.uint8), runs[0].view(torch.uint8)) for run in runs)
+
+
+# A tile holds at most this many elements, so values this far apart meet only in
+# the sum over tiles.
+TILE_SPACING = 8192
+
+
+@pytest.mark.parametrize("dtype, exponents", [(torch.float32, (-74, 63)), (torch.float64, (-537, 500))])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("count", [300, 2100])  # fewer and more than 8192 tiles: both sizes of scratch
+def test_sum_over_tiles_is_exact(dtype, exponents, reduction, count):
+    """One value per tile, squares from subnormal to near overflow: the tiles' sum is
+    exact, rounded once, so it equals math.fsum of the squares bit for bit (and
+    then PyTorch's own rounding into the loss dtype)."""
+    x = torch.zeros(count * TILE_SPACING, dtype=torch.float64)
+    mantissas = 1 + torch.rand(count, dtype=torch.float64)
+    x[::TILE_SPACING] = torch.ldexp(mantissas, torch.randint(*exponents, (count,)))
+    x = x.to(dtype)
+    squares = (x[::TILE_SPACING] * x[::TILE_SPACING]).tolist()  # the kernel's d * d, in dtype
+    total = math.fsum(squares)
+    expected = torch.tensor(total / x.numel() if reduction == "mean" else total, dtype=torch.float64).to(dtype)
+    x = x.cuda()
+    out = LOSSES["mse"][0](x, torch.zeros_like(x), reduction=reduction)
+    assert out.cpu().reshape(1).view(torch.uint8).tolist() == expected.reshape(1).view(torch.uint8).tolist(), (
+        out, expected)
 
 
 def test_accuracy_at_2_to_30_elements():

@@ -88,7 +88,7 @@ __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blo
 // (benchmarks/store_probe.py): 97-103% of copy bandwidth for read 2N + write N,
 // against 89% for blocks that own 64 KB ranges, and the same at every placement
 // of the output. The tiles depend only on n and the op, so a reduction's
-// summation order is the same on every run.
+// partial sums are the same on every run.
 template <class Op>
 inline int64_t num_tiles(int64_t n) {
   return (n + kTileElements<Op> - 1) / kTileElements<Op>;

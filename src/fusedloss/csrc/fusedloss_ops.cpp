@@ -139,12 +139,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param);
-  at::Tensor scratch = at::empty({reduced_loss_scratch_size(ops.problem)}, ops.input.options().dtype(at::kDouble));
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr<double>(), data_or_null(grad_input),
-                                     data_or_null(grad_target), mean, out.data_ptr(), to_dtype(ops.loss_dtype),
+  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem, grad_input.numel() > 0,
+                                                           grad_target.numel() > 0);
+  at::Tensor scratch = at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte));
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr(), data_or_null(grad_input),
+                                     data_or_null(grad_target), mean, out.data_ptr(),
                                      c10::cuda::getCurrentCUDAStream()));
   return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
 }

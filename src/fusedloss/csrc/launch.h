@@ -23,14 +23,15 @@ struct LossProblem {
   int64_t numel;
 };
 
-// A mean or sum: one partial sum per tile in `scratch`, folded in a fixed
-// order into the 0-d `out`; and, where the pointers are set, d loss / d input
-// and d loss / d target (times 1/N for a mean) in the same pass.
-// `scratch` must hold reduced_loss_scratch_size(problem) doubles.
-int64_t reduced_loss_scratch_size(const LossProblem& problem);
-cudaError_t launch_reduced_loss(const LossProblem& problem, double* scratch, void* grad_input,
-                                void* grad_target, bool mean, void* out, DType out_dtype,
-                                cudaStream_t stream);
+// A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
+// below): each tile's partial sum is added exactly into `scratch`
+// (reduced_loss_scratch_bytes, 512 or 2048 bytes; the launch zeroes it), so
+// the result has the same bits on every run and needs no memory in proportion
+// to N; and, where the pointers are set, d loss / d input and d loss / d target
+// (times 1/N for a mean) in the same pass.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_input, bool writes_target);
+cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
+                                void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).

@@ -6,6 +6,7 @@
 #include "dtypes.cuh"
 #include "losses.cuh"
 #include "elementwise.cuh"
+#include "exact_sum.cuh"
 
 namespace fusedloss {
 
@@ -88,7 +89,7 @@ struct PairOp {
   }
 };
 
-// Loss partial sums, plus the gradients (times grad_scale) that kGrads names.
+// Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
 // Without gradients a thread reads two chunks where they fit 64 bytes: the pass
 // only reads, and its blocks retire so fast that per-block work would show.
 template <class Loss, typename In, typename Tgt, Grads kGrads>
@@ -208,13 +209,40 @@ struct ScaleOp {
   }
 };
 
-template <bool kVectorized, class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n,
-                                                                                   double* partials) {
+// The reduction's scratch (exact_sum.cuh) is one 512-byte allocator block, as
+// small as the 0-d loss's, for launches of fewer than kLargeScratchFromTiles
+// tiles (4M to 32M elements, by tile size). From there on it is 2 KiB, 16
+// lines for fp32 losses (4 for fp64, whose copies take 4 lines each): with 4
+// lines, queued atomics cost a million tiles 5-9% of the bandwidth
+// (benchmarks/sum_probe.py). Eager PyTorch's own mean allocates more than that
+// for its staging at those sizes, so a training step's peak stays at or below
+// eager's (benchmarks/peak_memory.py).
+constexpr int64_t kSmallScratchBytes = 512;
+constexpr int64_t kLargeScratchBytes = 2048;
+constexpr int64_t kLargeScratchFromTiles = 8192;
+constexpr int kMaxScratchWords = kLargeScratchBytes / sizeof(Word);
+
+__host__ __device__ constexpr int64_t scratch_bytes(int64_t tiles) {
+  return tiles < kLargeScratchFromTiles ? kSmallScratchBytes : kLargeScratchBytes;
+}
+
+// How many copies of the exact sum the scratch holds: a power of two.
+template <typename T>
+__host__ __device__ constexpr int scratch_copies(int64_t tiles) {
+  static_assert(ExactSum<T>::kCopyWords * sizeof(Word) <= kSmallScratchBytes, "a copy must fit the scratch");
+  return int(scratch_bytes(tiles) / sizeof(Word)) / ExactSum<T>::kCopyWords;
+}
+
+// kCopies is a template parameter: chosen at run time, it tips these kernels
+// over 32 registers.
+template <bool kVectorized, int kCopies, class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
+  using Sum = ExactSum<typename Op::T>;
+  static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
   op.sum = 0.0;
   visit_tile<kVectorized>(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+  if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
 }
 
 template <bool kVectorized, class Op>
@@ -222,31 +250,17 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
   visit_tile<kVectorized>(op, n);
 }
 
-// Sums partials [begin, end) over the block in a fixed order; valid in thread 0.
-__device__ __forceinline__ double sum_partials(const double* partials, int64_t begin, int64_t end) {
-  double v = 0.0;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kBlockThreads) v += partials[i];
-  return block_sum(v);
-}
-
-// Block b folds partials [b * kFinishFanIn, (b + 1) * kFinishFanIn): one level
-// of the tree that folds a reduction's tile partials.
-constexpr int kFinishFanIn = 2048;
-
-__global__ void __launch_bounds__(kBlockThreads) fold_partials_kernel(const double* partials, int64_t count,
-                                                                      double* sums) {
-  const int64_t begin = int64_t(blockIdx.x) * kFinishFanIn;
-  const int64_t end = count - begin < kFinishFanIn ? count : begin + kFinishFanIn;
-  const double v = sum_partials(partials, begin, end);
-  if (threadIdx.x == 0) sums[blockIdx.x] = v;
-}
-
-template <typename Out>
-__global__ void __launch_bounds__(kBlockThreads) finish_reduction_kernel(const double* partials, int count,
-                                                                         int64_t numel, bool mean, Out* out) {
-  const double v = sum_partials(partials, 0, count);
-  // An empty mean is 0 / 0 = NaN, as in PyTorch.
-  if (threadIdx.x == 0) *out = Convert<Out>::from(mean ? v / double(numel) : v);
+template <typename T, typename Out>
+__global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(const Word* sum, int copies,
+                                                                            int64_t numel, bool mean, Out* out) {
+  __shared__ Word words[kMaxScratchWords];
+  if (threadIdx.x < copies * ExactSum<T>::kCopyWords) words[threadIdx.x] = sum[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double total = ExactSum<T>::total(words, copies);
+    // An empty mean is 0 / 0 = NaN, as in PyTorch.
+    *out = Convert<Out>::from(mean ? total / double(numel) : total);
+  }
 }
 
 __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
@@ -314,12 +328,12 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
 template <Grads kGrads>
 using GradsConstant = std::integral_constant<Grads, kGrads>;
 
-// The same, with a fourth argument: the Grads the two pointers ask for.
+// The same, with a fourth argument: the Grads that writing these gradients takes.
 template <class F>
-cudaError_t with_problem_types(const LossProblem& p, const void* grad_input, const void* grad_target, F&& f) {
+cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool writes_target, F&& f) {
   return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    if (grad_target != nullptr) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
-    if (grad_input != nullptr) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
+    if (writes_target) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
+    if (writes_input) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
     return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
   });
 }
@@ -343,54 +357,51 @@ Op make_op(const LossProblem& p) {
   return op;
 }
 
-int64_t reduced_loss_scratch_size(const LossProblem& p) {
-  int64_t tiles = 0;
-  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    // the smaller tiles of a pass that writes gradients: the most partials
-    tiles = num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kInput>>(p.numel);
+int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_input, bool writes_target) {
+  int64_t bytes = 0;
+  with_problem_types(p, writes_input, writes_target, [&](auto loss, auto in, auto tgt, auto grads) {
+    bytes = scratch_bytes(num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), grads()>>(p.numel));
     return cudaSuccess;
   });
-  return std::max<int64_t>(tiles + (tiles + kFinishFanIn - 1) / kFinishFanIn, 1);
+  return bytes;
 }
 
-cudaError_t launch_reduced_loss(const LossProblem& p, double* scratch, void* grad_input, void* grad_target,
-                                bool mean, void* out, DType out_dtype, cudaStream_t stream) {
-  int64_t partials = 0;
-  cudaError_t err = with_problem_types(p, grad_input, grad_target, [&](auto loss, auto in, auto tgt, auto grads) {
+cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_input, void* grad_target,
+                                bool mean, void* out, cudaStream_t stream) {
+  Word* sum = static_cast<Word*>(scratch);
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
+                                                                                  auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt, grads()>;
-    partials = num_tiles<Op>(p.numel);
-    if (partials == 0) return cudaSuccess;
-    Op op = make_op<Op>(p);
-    op.grad_input = static_cast<In*>(grad_input);
-    op.grad_target = static_cast<Tgt*>(grad_target);
-    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
-    const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
-                            is_aligned16(grad_input) && is_aligned16(grad_target);
-    const auto kernel = vectorized ? reduced_loss_kernel<true, Op> : reduced_loss_kernel<false, Op>;
-    kernel<<<partials, kBlockThreads, 0, stream>>>(op, p.numel, scratch);
+    using T = typename Op::T;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles > (int64_t(1) << kMaxTilesLog2)) return cudaErrorInvalidValue;  // the digits could overflow
+    cudaError_t err = cudaMemsetAsync(sum, 0, scratch_bytes(tiles), stream);
+    if (err != cudaSuccess) return err;
+    if (tiles > 0) {
+      Op op = make_op<Op>(p);
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      op.grad_scale = static_cast<T>(mean ? 1.0 / double(p.numel) : 1.0);
+      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                              is_aligned16(grad_input) && is_aligned16(grad_target);
+      constexpr int kSmall = scratch_copies<T>(0);
+      constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
+      const auto small_kernel =
+          vectorized ? reduced_loss_kernel<true, kSmall, Op> : reduced_loss_kernel<false, kSmall, Op>;
+      const auto large_kernel =
+          vectorized ? reduced_loss_kernel<true, kLarge, Op> : reduced_loss_kernel<false, kLarge, Op>;
+      const auto kernel = scratch_copies<T>(tiles) == kLarge ? large_kernel : small_kernel;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+    using Out = typename Op::Out;
+    finish_reduction_kernel<T, Out><<<1, kMaxScratchWords, 0, stream>>>(sum, scratch_copies<T>(tiles), p.numel, mean,
+                                                                         static_cast<Out*>(out));
     return cudaGetLastError();
   });
-  // Fold the tile partials level by level, each level's sums going to the
-  // other end of the scratch, until one block can finish.
-  double* level = scratch;
-  double* next_level = scratch + partials;
-  while (err == cudaSuccess && partials > kFinishFanIn) {
-    const int64_t sums = (partials + kFinishFanIn - 1) / kFinishFanIn;
-    fold_partials_kernel<<<sums, kBlockThreads, 0, stream>>>(level, partials, next_level);
-    err = cudaGetLastError();
-    std::swap(level, next_level);
-    partials = sums;
-  }
-  if (err != cudaSuccess) return err;
-  with_dtype(out_dtype, [&](auto o) {
-    using Out = decltype(o);
-    finish_reduction_kernel<<<1, kBlockThreads, 0, stream>>>(level, int(partials), p.numel, mean,
-                                                            static_cast<Out*>(out));
-    err = cudaGetLastError();
-  });
-  return err;
 }
 
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
@@ -410,7 +421,8 @@ cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t 
 cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
                                            bool grad_output_is_scalar, void* grad_input,
                                            void* grad_target, cudaStream_t stream) {
-  return with_problem_types(p, grad_input, grad_target, [&](auto loss, auto in, auto tgt, auto grads) {
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
+                                                                                  auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt, grads()>;
