@@ -6,6 +6,9 @@ checks run against the CUDA kernels.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -107,6 +110,30 @@ def test_fused_gradient_is_written_only_when_asked(device):
     _, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, False])
     torch.testing.assert_close(grad_input, 2 * (input - target))
     assert grad_target.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+def test_fused_gradient_becomes_grad_without_a_copy(device, grad_scale):
+    input = torch.randn(1000, device=device, requires_grad=True)
+    target = torch.randn(1000, device=device)
+    out, grad_input, _ = torch.ops.fusedloss.reduced_loss(input, target, "huber", 1.0, "mean", [True, False])
+    buffer = grad_input.data_ptr()
+    del grad_input
+    (out * grad_scale).backward()
+    assert input.grad.data_ptr() == buffer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_dropped_without_backward_frees_its_gradient_buffers(device):
+    """The node keeps the buffers for backward; nothing may keep the node."""
+    input = torch.randn(1000, device=device, requires_grad=True)
+    target = torch.randn(1000, device=device, requires_grad=True)
+    out, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, True])
+    buffers = [weakref.ref(grad_input.untyped_storage()), weakref.ref(grad_target.untyped_storage())]
+    del out, grad_input, grad_target
+    gc.collect()
+    assert [ref() for ref in buffers] == [None, None]
 
 
 @pytest.mark.parametrize("device", DEVICES)

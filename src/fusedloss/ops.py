@@ -175,8 +175,10 @@ def _reduced_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target)
     # Kept outside save_for_backward: backward scales them in place and drops this
-    # reference, so autograd can hand the buffer to .grad without a copy.
-    ctx.fused_gradients = output[1:]
+    # reference, so autograd can hand the buffer to .grad without a copy. Detached:
+    # the outputs themselves point back at this node, and a graph dropped without
+    # backward would then never be freed.
+    ctx.fused_gradients = tuple(g.detach() for g in output[1:])
 
 
 def _scaled(fused_grad: Tensor, grad: Tensor) -> Tensor:
