@@ -3,7 +3,9 @@
 Per loss and dtype, each taking turns with a 2 GiB copy: the forward op alone
 (read 2N), the forward op that also writes the gradient (read 2N + write N, no
 autograd), the whole `loss.backward()` step, and `(loss * 0.5).backward()`
-(read 2N + write N, then read N + write N). Run on the device:
+(5N bytes: read 2N + write N, then read N + write N for its first step; after
+that, with the gradient placed in backward, read 2N, then read 2N + write N).
+Run on the device:
     PYTHONPATH=src python benchmarks/step_breakdown.py
 """
 

@@ -17,7 +17,9 @@ OP_SCHEMAS = {
     "pointwise_loss": "(Tensor input, Tensor target, str loss, float param) -> Tensor",
     "pointwise_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, bool[2] output_mask) -> (Tensor, Tensor)",
     "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask) -> (Tensor, Tensor, Tensor)",
-    "scale_": "(Tensor(a!) self, Tensor scale) -> ()",
+    "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1) -> (Tensor, Tensor)",
+    "scale_": "(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()",
+    "grad_output_history": "() -> Tensor",
 }
 
 for _name, _schema in OP_SCHEMAS.items():
@@ -35,6 +37,7 @@ CPP_SOURCE = r"""// CUDA kernels for the fusedloss:: operators, whose schemas, f
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 
 // The boundary between the host code (torch tensors, fusedloss_ops.cpp) and the
 // kernels (plain pointers, loss_kernels.cu). The kernels include no torch
@@ -83,11 +86,23 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem,
                                            void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
+// A mean's or sum's backward, for a one-element `grad_output` in the loss's
+// dtype, when the forward wrote no gradient: d loss / d input and d loss /
+// d target recomputed from the operands, with the bits that the forward's
+// gradients scaled by launch_scale_in_place would have.
+cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void* grad_output, bool mean,
+                                         void* grad_input, void* grad_target, int32_t* history,
+                                         cudaStream_t stream);
+
 // data *= *scale in place. Every block returns at once when *scale == 1, so
 // the common `loss.backward()` moves no memory and needs no host sync.
 cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel,
                                   const void* scale, DType scale_dtype,
-                                  int num_sms, cudaStream_t stream);
+                                  int num_sms, int32_t* history, cudaStream_t stream);
+
+// Both backward launches take `history`: null, or a slot of host-mapped memory
+// (grad_output_history in fusedloss_ops.cpp) where the kernel notes whether
+// grad_output was other than 1, for the next forward to read without a sync.
 
 }  // namespace fusedloss
 
@@ -181,6 +196,31 @@ at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
 
 void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
 
+// One int32 per slot, 1 when the last backward in that slot had grad_output != 1
+// (fusedloss/gradient_placement.py). Host memory that the kernels write and the
+// host reads without a sync: mapped and portable, so under unified addressing
+// its address is valid on every device. Allocated on first use, never freed.
+constexpr int64_t kHistorySlots = 64;
+
+int32_t* history_table() {
+  static int32_t* const table = [] {
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&p, kHistorySlots * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(p, 0, kHistorySlots * sizeof(int32_t));
+    return static_cast<int32_t*>(p);
+  }();
+  return table;
+}
+
+at::Tensor grad_output_history() {
+  return at::from_blob(history_table(), {kHistorySlots}, at::TensorOptions().dtype(at::kInt));
+}
+
+int32_t* history_slot(int64_t slot) {
+  TORCH_CHECK(slot < kHistorySlots, "fusedloss: history slot ", slot, " out of range");
+  return slot < 0 ? nullptr : history_table() + slot;
+}
+
 at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
                           double param) {
   const c10::cuda::CUDAGuard guard(input.device());
@@ -232,14 +272,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
 }
 
-void scale_(at::Tensor& self, const at::Tensor& scale) {
+std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                         const at::Tensor& target, c10::string_view loss,
+                                                         double param, c10::string_view reduction,
+                                                         std::array<bool, 2> output_mask, int64_t history_slot_index) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool mean = parse_mean(reduction);
+  Operands ops = prepare(input, target, loss, param);
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: reduced_loss_backward takes a one-element grad_output on ", input.device());
+  const at::Tensor go = grad_output.to(ops.loss_dtype).reshape({1}).contiguous();
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
+  C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean, data_or_null(grad_input),
+                                              data_or_null(grad_target), history_slot(history_slot_index),
+                                              c10::cuda::getCurrentCUDAStream()));
+  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+}
+
+void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
               "fusedloss: scale_ takes a one-element scale on the tensor's device");
   TORCH_CHECK(self.is_contiguous(), "fusedloss: scale_ needs a contiguous tensor");
   const c10::cuda::CUDAGuard guard(self.device());
   C10_CUDA_CHECK(launch_scale_in_place(self.data_ptr(), to_dtype(self.scalar_type()), self.numel(),
                                        scale.data_ptr(), to_dtype(scale.scalar_type()),
-                                       current_device_sm_count(),
+                                       current_device_sm_count(), history_slot(history_slot_index),
                                        c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -249,8 +307,12 @@ TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
   m.impl("pointwise_loss", &pointwise_loss);
   m.impl("pointwise_loss_backward", &pointwise_loss_backward);
   m.impl("reduced_loss", &reduced_loss);
+  m.impl("reduced_loss_backward", &reduced_loss_backward);
   m.impl("scale_", &scale_);
 }
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(fusedloss, CompositeExplicitAutograd, m) { m.impl("grad_output_history", &grad_output_history); }
 
 }  // namespace fusedloss
 """
@@ -306,11 +368,23 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem,
                                            void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
+// A mean's or sum's backward, for a one-element `grad_output` in the loss's
+// dtype, when the forward wrote no gradient: d loss / d input and d loss /
+// d target recomputed from the operands, with the bits that the forward's
+// gradients scaled by launch_scale_in_place would have.
+cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void* grad_output, bool mean,
+                                         void* grad_input, void* grad_target, int32_t* history,
+                                         cudaStream_t stream);
+
 // data *= *scale in place. Every block returns at once when *scale == 1, so
 // the common `loss.backward()` moves no memory and needs no host sync.
 cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel,
                                   const void* scale, DType scale_dtype,
-                                  int num_sms, cudaStream_t stream);
+                                  int num_sms, int32_t* history, cudaStream_t stream);
+
+// Both backward launches take `history`: null, or a slot of host-mapped memory
+// (grad_output_history in fusedloss_ops.cpp) where the kernel notes whether
+// grad_output was other than 1, for the next forward to read without a sync.
 
 }  // namespace fusedloss
 
@@ -515,15 +589,16 @@ template <class Op>
 constexpr int64_t kTileElements = int64_t(kBlockThreads) * Op::kVec * Op::kChunksPerThread;
 
 // The block walks tile number `tile` (by default its own): Op::kChunksPerThread
-// Op::kVec-wide chunks per thread when all of the op's pointers are 16-byte
-// aligned, then the tile's tail one by one; else one by one.
+// Op::kVec-wide chunks per thread, Op::kChunksInFlight loaded at once, when all
+// of the op's pointers are 16-byte aligned, then the tile's tail one by one;
+// else one by one.
 template <bool kVectorized, class Op>
 __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blockIdx.x) {
   const int64_t begin = tile * kTileElements<Op>;
   const int64_t count = (n - begin < kTileElements<Op> ? n - begin : kTileElements<Op>);
   if constexpr (kVectorized) {
     const int64_t num_chunks = count / Op::kVec;
-    visit_chunks<Op::kVec, Op::kChunksPerThread>(op, begin, num_chunks);
+    visit_chunks<Op::kVec, Op::kChunksInFlight>(op, begin, num_chunks);
     visit_chunks<1, 1>(op, begin + num_chunks * Op::kVec, count - num_chunks * Op::kVec);
   } else {
     visit_chunks<1, kScalarUnroll>(op, begin, count);
@@ -729,6 +804,7 @@ struct PairOp {
   using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
   static constexpr int kChunksPerThread = 1;
+  static constexpr int kChunksInFlight = 1;
 
   template <int W>
   struct Chunk {
@@ -775,6 +851,13 @@ struct PairOp {
       return -Loss::grad(diff_in<TargetGradDtype>(x, y), target_grad_param);
     }
   }
+  // The gradients times `factor`, each rounded once into its storage dtype.
+  __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor) const {
+    return Convert<In>::from(input_grad(x, y) * factor);
+  }
+  __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor) const {
+    return Convert<Tgt>::from(target_grad(x, y) * factor);
+  }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
     load_chunk(c.input, input, first);
@@ -783,16 +866,19 @@ struct PairOp {
 };
 
 // Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
-// Without gradients a thread reads two chunks where they fit 64 bytes: the pass
-// only reads, and its blocks retire so fast that per-block work would show.
+// A thread takes two chunks per tile where they fit 64 bytes: a read-only
+// pass's blocks retire so fast that per-block work would show. A pass that
+// writes gradients loads them one after the other (both at once spill at 32
+// registers), but its tiles and sums are the same, so the loss has the same
+// bits whichever gradients are written.
 template <class Loss, typename In, typename Tgt, Grads kGrads>
 struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   template <int W>
   using Chunk = typename Base::template Chunk<W>;
-  static constexpr int kChunksPerThread =
-      kGrads == Grads::kNone && Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
   T grad_scale;
   double sum;
@@ -810,10 +896,8 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       chunk_sum += this->value(c.input[k], c.target[k]);
-      if (this->writes_input()) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * grad_scale);
-      if constexpr (this->kWritesTarget) {
-        gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * grad_scale);
-      }
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
+      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -870,8 +954,51 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
-      if (this->writes_input()) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * go);
-      if constexpr (this->kWritesTarget) gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * go);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
+      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
+    }
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+  }
+};
+
+// v times factor, rounded once into v's dtype: how backward scales a fused gradient.
+template <typename S, typename T>
+__device__ __forceinline__ S rounded_product(S v, T factor) {
+  return Convert<S>::from(to_opmath(v) * factor);
+}
+
+// The gradients of a mean or sum for a one-element grad_output, recomputed from
+// input and target: the fused forward's gradients (times grad_scale, rounded)
+// times grad_output, rounded again, as scaling those in place does. Either way
+// gives the same bits.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  T grad_scale;
+  const Out* __restrict__ grad_output;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    const T go = to_opmath(*grad_output);
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      if (this->writes_input()) {
+        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
+      }
+      if constexpr (this->kWritesTarget) {
+        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
+      }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
     if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
@@ -883,6 +1010,7 @@ struct ScaleOp {
   using T = opmath_t<S, S>;
   static constexpr int kVec = 16 / sizeof(S);
   static constexpr int kChunksPerThread = 1;
+  static constexpr int kChunksInFlight = 1;
   template <int W>
   struct Chunk {
     alignas(16) S data[W];
@@ -897,7 +1025,7 @@ struct ScaleOp {
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
     alignas(16) S scaled[W];
 #pragma unroll
-    for (int k = 0; k < W; ++k) scaled[k] = Convert<S>::from(to_opmath(c.data[k]) * scale);
+    for (int k = 0; k < W; ++k) scaled[k] = rounded_product(c.data[k], scale);
     store_chunk(data, first, scaled);
   }
 };
@@ -943,6 +1071,17 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
   visit_tile<kVectorized>(op, n);
 }
 
+// Notes in `history` (host memory, when set) whether grad_output != 1, and
+// walks the tiles from the last: the forward just read those, so the first
+// ones are still in L2 (10 us of a 2.4 ms bf16 step at 2^30;
+// benchmarks/backward_probe.py).
+template <bool kVectorized, class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
+                                                                                            int32_t* history) {
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
+  visit_tile<kVectorized>(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+}
+
 template <typename T, typename Out>
 __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(const Word* sum, int copies,
                                                                             int64_t numel, bool mean, Out* out) {
@@ -967,12 +1106,14 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 
 // One wave of blocks, each walking every gridDim.x-th tile: when scale == 1
 // (the common loss.backward()) the whole launch is one wave that exits at
-// once, not a million blocks.
+// once, not a million blocks. Notes in `history` (when set) whether scale != 1.
 template <bool kVectorized, typename S>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t tiles,
                                                                                      const void* scale,
-                                                                                     DType scale_dtype) {
+                                                                                     DType scale_dtype,
+                                                                                     int32_t* history) {
   const double s = load_as_double(scale, scale_dtype);
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = s != 1.0;
   if (s == 1.0) return;
   ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
 #pragma unroll 1
@@ -1139,8 +1280,34 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* gra
   });
 }
 
+cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
+                                         void* grad_target, int32_t* history, cudaStream_t stream) {
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
+                                                                                  auto grads) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = ReducedLossBackwardOp<decltype(loss), In, Tgt, grads()>;
+    if constexpr (grads() == Grads::kNone) {
+      return cudaSuccess;
+    } else {
+      const int64_t tiles = num_tiles<Op>(p.numel);
+      if (tiles == 0) return cudaSuccess;
+      Op op = make_op<Op>(p);
+      op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
+      op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                              is_aligned16(grad_input) && is_aligned16(grad_target);
+      const auto kernel = vectorized ? reduced_loss_backward_kernel<true, Op> : reduced_loss_backward_kernel<false, Op>;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, history);
+      return cudaGetLastError();
+    }
+  });
+}
+
 cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale,
-                                  DType scale_dtype, int num_sms, cudaStream_t stream) {
+                                  DType scale_dtype, int num_sms, int32_t* history, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   with_dtype(dtype, [&](auto s) {
     using S = decltype(s);
@@ -1148,7 +1315,7 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
     if (tiles == 0) return;
     const int64_t wave = std::min<int64_t>(tiles, int64_t(num_sms) * kBlocksPerSm);
     const auto kernel = is_aligned16(data) ? scale_in_place_kernel<true, S> : scale_in_place_kernel<false, S>;
-    kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel, tiles, scale, scale_dtype);
+    kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel, tiles, scale, scale_dtype, history);
     err = cudaGetLastError();
   });
   return err;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 
 import pytest
@@ -47,6 +48,18 @@ def fused_cpu(monkeypatch):
         and input.dtype in functional._KERNEL_DTYPES
         and target.dtype in functional._KERNEL_DTYPES,
     )
+
+
+@pytest.fixture(autouse=True)
+def forgotten_grad_outputs():
+    """Each test starts with no note of earlier backwards (fusedloss.gradient_placement),
+    so every forward writes the gradient unless the test says otherwise."""
+    from fusedloss import gradient_placement
+
+    if gradient_placement._history is not None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # no kernel may still be writing a note
+        ctypes.memset(gradient_placement._history, 0, ctypes.sizeof(gradient_placement._history))
 
 
 @pytest.fixture(autouse=True)

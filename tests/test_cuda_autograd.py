@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build
+from fusedloss import build, gradient_placement
 
 from conftest import LOSSES, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda
 
@@ -134,6 +134,39 @@ def test_retain_graph_and_repeated_backward(name):
 
 
 @pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_second_backward_gives_the_fused_bits(name, dtype):
+    """A retain_graph second backward recomputes the gradient with the fused one's
+    roundings: in 16-bit dtypes with N not a power of two, a grad_output / N rounded
+    first would bias it."""
+    n = 300_007
+    input = heavy_tailed((n,), torch.float64, "cuda").clamp(-8, 8).to(dtype).requires_grad_()
+    target = heavy_tailed((n,), torch.float64, "cuda").clamp(-8, 8).to(dtype).requires_grad_()
+    out = _loss(name, 0, input, target, "mean")
+    fused = torch.autograd.grad(out * 0.37, (input, target), retain_graph=True)
+    recomputed = torch.autograd.grad(out * 0.37, (input, target))
+    for a, b in zip(fused, recomputed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)], ids=str)
+@pytest.mark.parametrize("n", [1, 4099, 3_000_017])
+def test_loss_bits_do_not_depend_on_grad_mode(name, dtypes, n):
+    """The gradient-writing pass sums the same tiles as the read-only one."""
+    input = heavy_tailed((n,), torch.float64, "cuda").to(dtypes[0])
+    target = heavy_tailed((n,), torch.float64, "cuda").to(dtypes[1])
+    for reduction in ("mean", "sum"):
+        with torch.no_grad():
+            without = _loss(name, 0, input, target, reduction)
+        with_input_grad = _loss(name, 0, input.detach().requires_grad_(), target, reduction)
+        with_both = _loss(name, 0, input.detach().requires_grad_(), target.detach().requires_grad_(), reduction)
+        assert torch.equal(without, with_input_grad.detach())
+        assert torch.equal(without, with_both.detach())
+
+
+@pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_create_graph_matches_torch(name, reduction):
     input = heavy_tailed((257,), torch.float64, "cuda").requires_grad_()
@@ -254,7 +287,8 @@ def test_compile_has_no_graph_break():
 
 
 @pytest.mark.parametrize("name", LOSSES)
-def test_manual_cuda_graph_capture_of_a_training_step(name):
+@pytest.mark.parametrize("gradient_in_backward", [False, True], ids=["fused", "recomputed"])
+def test_manual_cuda_graph_capture_of_a_training_step(name, gradient_in_backward):
     input = torch.randn(4099, device="cuda", requires_grad=True)
     target = torch.randn(4099, device="cuda")
     static_scale = torch.tensor(0.75, device="cuda")
@@ -270,6 +304,11 @@ def test_manual_cuda_graph_capture_of_a_training_step(name):
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(side)
+    # The warm-up steps' note says "scaled"; capture either placement (gradient_placement).
+    torch.cuda.synchronize()
+    param = PARAMS[name] if name in ("smooth_l1", "huber") else 0.0  # as fusedloss.functional passes it
+    slot = gradient_placement.history_slot(name, param, "mean", input, target)
+    gradient_placement._history[slot] = int(gradient_in_backward)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_grad = step()

@@ -68,6 +68,33 @@ def test_operands_on_cuda1_are_computed_on_cuda1(name, reduction):
 
 
 @requires_two_gpus
+@pytest.mark.parametrize("name", LOSSES)
+def test_gradient_placement_on_cuda1(name, monkeypatch):
+    """The notes of grad_output are host memory mapped for every device: a backward on
+    cuda:1 notes there, and the next forward on cuda:1 follows it, with the same bits."""
+    from fusedloss import functional
+
+    masks = []
+    real = functional._call_op
+    monkeypatch.setattr(functional, "_call_op", lambda *args: masks.append(args[-1]) or real(*args))
+    input, target = heavy_tailed((1000, 37), device="cuda:1"), heavy_tailed((1000, 37), device="cuda:1")
+    steps = []
+    with torch.cuda.device(0):
+        for _ in range(2):
+            leaf = input.clone().requires_grad_()
+            out = _loss(name, leaf, target)
+            (out * 0.5).backward()
+            torch.cuda.synchronize(1)  # the note is written
+            steps.append((out, leaf.grad))
+    assert masks == [[True, False], [False, False]]  # fused, then recomputed in backward
+    for fused, recomputed in zip(*steps):
+        assert recomputed.device == torch.device("cuda:1") and torch.equal(fused, recomputed)
+    i64 = input.double().requires_grad_()
+    (formulas.torch_loss(i64, target.double(), name, PARAMS[name], "mean") * 0.5).backward()
+    torch.testing.assert_close(steps[1][1].double(), i64.grad, rtol=1e-5, atol=1e-7)
+
+
+@requires_two_gpus
 def test_cuda_graph_on_cuda1():
     """Capture on cuda:1 with the warm-up pattern of PyTorch's CUDA-graph docs; the
     replay must see inputs written after the capture."""

@@ -65,7 +65,8 @@ def test_generated_file_embeds_the_sources_and_keeps_the_problem(problem: kernel
     assert generated.CPP_SOURCE == build.read_source("fusedloss_ops.cpp")
     assert generated.CUDA_SOURCE == build.read_source("loss_kernels.cu")
     assert generated.OP_SCHEMAS == kernelbench.op_schemas()
-    assert set(generated.OP_SCHEMAS) == {"pointwise_loss", "pointwise_loss_backward", "reduced_loss", "scale_"}
+    assert set(generated.OP_SCHEMAS) == {"pointwise_loss", "pointwise_loss_backward", "reduced_loss",
+                                         "reduced_loss_backward", "scale_", "grad_output_history"}
     assert f'"{problem.loss}", {problem.param!r}, "mean"' in (GENERATED / f"{problem.name}.py").read_text()
     for name in ("batch_size", "input_shape", "dim"):
         assert getattr(generated, name) == getattr(reference, name)

@@ -30,10 +30,14 @@ def kernels_loaded(request):
 
 
 def test_schemas():
-    for name in ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "scale_"):
+    for name in ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_",
+                 "grad_output_history"):
         assert hasattr(torch.ops.fusedloss, name)
     schema = torch.ops.fusedloss.reduced_loss.default._schema
     assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask"]
+    schema = torch.ops.fusedloss.reduced_loss_backward.default._schema
+    assert [a.name for a in schema.arguments] == ["grad_output", "input", "target", "loss", "param", "reduction",
+                                                  "output_mask", "history_slot"]
     assert torch.ops.fusedloss.scale_.default._schema.arguments[0].alias_info.is_write
 
 
@@ -55,6 +59,8 @@ def test_fake_kernels_give_shapes_and_dtypes(device, loss, dtypes):
         assert grad_target.numel() == 0
         grads = torch.ops.fusedloss.pointwise_loss_backward(out, input, target, loss, 1.0, [False, True])
         assert grads[0].numel() == 0 and grads[1].shape == (4, 3, 5) and grads[1].dtype == dtypes[1]
+        grads = torch.ops.fusedloss.reduced_loss_backward(value, input, target, loss, 1.0, "sum", [True, False], -1)
+        assert grads[0].shape == (4, 3, 5) and grads[0].dtype == dtypes[0] and grads[1].numel() == 0
 
 
 def _sample_args(device, loss, dtype=torch.float32, shape=(5, 7)):
@@ -76,8 +82,13 @@ def test_opcheck(device, loss):
         grad_output = torch.randn(input.shape, device=device)
         torch.library.opcheck(torch.ops.fusedloss.pointwise_loss_backward,
                               (grad_output, input.detach(), args[1].detach(), name, param, [True, True]))
+        for reduction in ("mean", "sum"):
+            for mask in ([True, True], [False, True]):
+                torch.library.opcheck(torch.ops.fusedloss.reduced_loss_backward,
+                                      (torch.tensor(0.37, device=device), input.detach(), args[1].detach(), name,
+                                       param, reduction, mask, -1))
     buffer = torch.randn(9, device=device)
-    torch.library.opcheck(torch.ops.fusedloss.scale_, (buffer, torch.tensor(0.5, device=device)))
+    torch.library.opcheck(torch.ops.fusedloss.scale_, (buffer, torch.tensor(0.5, device=device), -1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -134,6 +145,21 @@ def test_a_graph_dropped_without_backward_frees_its_gradient_buffers(device):
     del out, grad_input, grad_target
     gc.collect()
     assert [ref() for ref in buffers] == [None, None]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_without_fused_gradients_gives_their_bits(device, loss, reduction):
+    """A forward that wrote no gradient (output_mask all False): backward recomputes it,
+    as the fused gradient scaled in place would be, bit for bit."""
+    input, target, name, param = _sample_args(device, loss, shape=(37, 11))
+    grads = []
+    for mask in ([True, True], [False, False]):
+        out = torch.ops.fusedloss.reduced_loss(input, target, name, param, reduction, mask)[0]
+        grads.append(torch.autograd.grad(out * 0.37, (input, target)))
+    for fused, recomputed in zip(*grads):
+        assert torch.equal(fused, recomputed)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import build
+from . import build, gradient_placement
 from . import ops as _ops  # noqa: F401  (defines torch.ops.fusedloss)
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -69,6 +69,10 @@ def _fused_loss(
     grad_enabled = torch.is_grad_enabled()
     output_mask = [grad_enabled and input.requires_grad, grad_enabled and target.requires_grad]
     if any(output_mask) or torch.compiler.is_compiling():
+        if any(output_mask) and mode != "none" and gradient_placement.gradient_in_backward(
+            loss, param, mode, input, target
+        ):
+            output_mask = [False, False]
         return _call_op(loss, param, input, target, mode, output_mask)
     # No gradient wanted: skip the Python autograd layer, whose overhead would
     # dominate small losses.

@@ -13,8 +13,15 @@ broadcast shape and autograd sums them to each operand's own shape.
   ``output_mask`` asks for them, the same pass writes d loss / d input and
   d loss / d target, already scaled for the reduction; backward hands them on
   (scaled in place by ``scale_``, which the GPU skips when grad_output == 1).
+- ``reduced_loss_backward``: those gradients times grad_output in one pass over
+  the operands, when the forward wrote none (``gradient_placement``), for a
+  second backward, or for gradients the forward was not asked for. Same bits
+  as the fused gradients scaled by ``scale_``.
 - ``pointwise_loss`` / ``pointwise_loss_backward``: ``reduction='none'``, each
   one pass.
+- ``grad_output_history``: the host-mapped notes in which ``scale_`` and
+  ``reduced_loss_backward`` record, at ``history_slot`` (-1: nowhere), whether
+  grad_output was 1 (CUDA only; see ``gradient_placement``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import build, formulas
+from . import build, formulas, gradient_placement
 
 _lib = torch.library.Library("fusedloss", "DEF")
 _lib.define("pointwise_loss(Tensor input, Tensor target, str loss, float param) -> Tensor")
@@ -36,7 +43,12 @@ _lib.define(
     "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask) "
     "-> (Tensor, Tensor, Tensor)"
 )
-_lib.define("scale_(Tensor(a!) self, Tensor scale) -> ()")
+_lib.define(
+    "reduced_loss_backward(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
+    "bool[2] output_mask, int history_slot=-1) -> (Tensor, Tensor)"
+)
+_lib.define("scale_(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()")
+_lib.define("grad_output_history() -> Tensor")
 
 
 def _grad_buffer(wanted: bool, like: Tensor, shape: Sequence[int]) -> Tensor:
@@ -87,8 +99,18 @@ def _reduced_loss_fake(
     return out, _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
 
 
+@torch.library.register_fake("fusedloss::reduced_loss_backward")
+def _reduced_loss_backward_fake(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
+    output_mask: Sequence[bool], history_slot: int = -1,
+) -> tuple[Tensor, Tensor]:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
 @torch.library.register_fake("fusedloss::scale_")
-def _scale_fake(self: Tensor, scale: Tensor) -> None:
+def _scale_fake(self: Tensor, scale: Tensor, history_slot: int = -1) -> None:
     _load_kernels_for(self.device)
 
 
@@ -116,18 +138,32 @@ def _pointwise_loss_backward_cpu(
     return _gradients_cpu(grad_output, input, target, loss, param, output_mask)
 
 
+def _reduction_scale(reduction: str, input: Tensor, target: Tensor) -> float:
+    numel = _broadcast_numel(input, target)
+    return 1.0 / numel if reduction == "mean" and numel > 0 else 1.0
+
+
 @torch.library.impl(_lib, "reduced_loss", "CPU")
 def _reduced_loss_cpu(
     input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool]
 ) -> tuple[Tensor, Tensor, Tensor]:
     out = formulas.torch_loss(input, target, loss, param, reduction)
-    numel = _broadcast_numel(input, target)
-    scale = 1.0 / numel if reduction == "mean" and numel > 0 else 1.0
+    scale = _reduction_scale(reduction, input, target)
     return (out, *_gradients_cpu(scale, input, target, loss, param, output_mask))
 
 
+@torch.library.impl(_lib, "reduced_loss_backward", "CPU")
+def _reduced_loss_backward_cpu(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
+    output_mask: Sequence[bool], history_slot: int = -1,
+) -> tuple[Tensor, Tensor]:
+    scale = _reduction_scale(reduction, input, target)
+    grad_input, grad_target = _gradients_cpu(scale, input, target, loss, param, output_mask)
+    return grad_input * grad_output, grad_target * grad_output
+
+
 @torch.library.impl(_lib, "scale_", "CPU")
-def _scale_cpu(self: Tensor, scale: Tensor) -> None:
+def _scale_cpu(self: Tensor, scale: Tensor, history_slot: int = -1) -> None:
     self.mul_(scale)
 
 
@@ -181,12 +217,12 @@ def _reduced_setup_context(ctx, inputs, output) -> None:
     ctx.fused_gradients = tuple(g.detach() for g in output[1:])
 
 
-def _scaled(fused_grad: Tensor, grad: Tensor) -> Tensor:
+def _scaled(fused_grad: Tensor, grad: Tensor, history_slot: int) -> Tensor:
     if type(fused_grad) is not Tensor:
         # Traced by AOTAutograd (torch.compile) or a subclass: stay functional, as
         # a compiled backward may run again on the same saved buffers.
         return fused_grad * grad
-    torch.ops.fusedloss.scale_(fused_grad, grad)
+    torch.ops.fusedloss.scale_(fused_grad, grad, history_slot)
     return fused_grad
 
 
@@ -196,22 +232,24 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
     input, target = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
     fused = ctx.fused_gradients
-    if (
-        fused is not None
-        and not torch.is_grad_enabled()
-        and all(written or not needed for written, needed in zip(ctx.output_mask, needs))
-    ):
-        # Scaled in place, so only the first backward through this graph may use them.
-        ctx.fused_gradients = None
-        grad_input = _sum_to(_scaled(fused[0], grad), input) if needs[0] else None
-        grad_target = _sum_to(_scaled(fused[1], grad), target) if needs[1] else None
-    else:
+    if torch.is_grad_enabled():
+        # create_graph=True: a composite formula that autograd can differentiate again.
         shape = torch.broadcast_shapes(input.shape, target.shape)
         per_element = grad / _broadcast_numel(input, target) if ctx.reduction == "mean" else grad
-        grad_input, grad_target = _loss_gradients(
-            per_element.expand(shape), input, target, ctx.loss, ctx.param, needs
+        return (*_loss_gradients(per_element.expand(shape), input, target, ctx.loss, ctx.param, needs),
+                None, None, None, None)
+    slot = gradient_placement.history_slot(ctx.loss, ctx.param, ctx.reduction, input, target)
+    if fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
+        # Scaled in place, so only the first backward through this graph may use them.
+        ctx.fused_gradients = None
+        grad_input = _scaled(fused[0], grad, slot) if needs[0] else None
+        grad_target = _scaled(fused[1], grad, slot) if needs[1] else None
+    else:
+        grad_input, grad_target = torch.ops.fusedloss.reduced_loss_backward(
+            grad, input, target, ctx.loss, ctx.param, ctx.reduction, [bool(needs[0]), bool(needs[1])], slot
         )
-    return grad_input, grad_target, None, None, None, None
+    return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
+            None, None, None, None)
 
 
 torch.library.register_autograd(

@@ -67,15 +67,16 @@ template <class Op>
 constexpr int64_t kTileElements = int64_t(kBlockThreads) * Op::kVec * Op::kChunksPerThread;
 
 // The block walks tile number `tile` (by default its own): Op::kChunksPerThread
-// Op::kVec-wide chunks per thread when all of the op's pointers are 16-byte
-// aligned, then the tile's tail one by one; else one by one.
+// Op::kVec-wide chunks per thread, Op::kChunksInFlight loaded at once, when all
+// of the op's pointers are 16-byte aligned, then the tile's tail one by one;
+// else one by one.
 template <bool kVectorized, class Op>
 __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blockIdx.x) {
   const int64_t begin = tile * kTileElements<Op>;
   const int64_t count = (n - begin < kTileElements<Op> ? n - begin : kTileElements<Op>);
   if constexpr (kVectorized) {
     const int64_t num_chunks = count / Op::kVec;
-    visit_chunks<Op::kVec, Op::kChunksPerThread>(op, begin, num_chunks);
+    visit_chunks<Op::kVec, Op::kChunksInFlight>(op, begin, num_chunks);
     visit_chunks<1, 1>(op, begin + num_chunks * Op::kVec, count - num_chunks * Op::kVec);
   } else {
     visit_chunks<1, kScalarUnroll>(op, begin, count);

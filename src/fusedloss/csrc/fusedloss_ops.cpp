@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "launch.h"
 
@@ -100,6 +101,31 @@ at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
 
 void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
 
+// One int32 per slot, 1 when the last backward in that slot had grad_output != 1
+// (fusedloss/gradient_placement.py). Host memory that the kernels write and the
+// host reads without a sync: mapped and portable, so under unified addressing
+// its address is valid on every device. Allocated on first use, never freed.
+constexpr int64_t kHistorySlots = 64;
+
+int32_t* history_table() {
+  static int32_t* const table = [] {
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&p, kHistorySlots * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(p, 0, kHistorySlots * sizeof(int32_t));
+    return static_cast<int32_t*>(p);
+  }();
+  return table;
+}
+
+at::Tensor grad_output_history() {
+  return at::from_blob(history_table(), {kHistorySlots}, at::TensorOptions().dtype(at::kInt));
+}
+
+int32_t* history_slot(int64_t slot) {
+  TORCH_CHECK(slot < kHistorySlots, "fusedloss: history slot ", slot, " out of range");
+  return slot < 0 ? nullptr : history_table() + slot;
+}
+
 at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
                           double param) {
   const c10::cuda::CUDAGuard guard(input.device());
@@ -151,14 +177,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
 }
 
-void scale_(at::Tensor& self, const at::Tensor& scale) {
+std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                         const at::Tensor& target, c10::string_view loss,
+                                                         double param, c10::string_view reduction,
+                                                         std::array<bool, 2> output_mask, int64_t history_slot_index) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool mean = parse_mean(reduction);
+  Operands ops = prepare(input, target, loss, param);
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: reduced_loss_backward takes a one-element grad_output on ", input.device());
+  const at::Tensor go = grad_output.to(ops.loss_dtype).reshape({1}).contiguous();
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
+  C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean, data_or_null(grad_input),
+                                              data_or_null(grad_target), history_slot(history_slot_index),
+                                              c10::cuda::getCurrentCUDAStream()));
+  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+}
+
+void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
               "fusedloss: scale_ takes a one-element scale on the tensor's device");
   TORCH_CHECK(self.is_contiguous(), "fusedloss: scale_ needs a contiguous tensor");
   const c10::cuda::CUDAGuard guard(self.device());
   C10_CUDA_CHECK(launch_scale_in_place(self.data_ptr(), to_dtype(self.scalar_type()), self.numel(),
                                        scale.data_ptr(), to_dtype(scale.scalar_type()),
-                                       current_device_sm_count(),
+                                       current_device_sm_count(), history_slot(history_slot_index),
                                        c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -168,7 +212,11 @@ TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
   m.impl("pointwise_loss", &pointwise_loss);
   m.impl("pointwise_loss_backward", &pointwise_loss_backward);
   m.impl("reduced_loss", &reduced_loss);
+  m.impl("reduced_loss_backward", &reduced_loss_backward);
   m.impl("scale_", &scale_);
 }
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(fusedloss, CompositeExplicitAutograd, m) { m.impl("grad_output_history", &grad_output_history); }
 
 }  // namespace fusedloss

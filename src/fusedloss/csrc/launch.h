@@ -46,10 +46,22 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem,
                                            void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
+// A mean's or sum's backward, for a one-element `grad_output` in the loss's
+// dtype, when the forward wrote no gradient: d loss / d input and d loss /
+// d target recomputed from the operands, with the bits that the forward's
+// gradients scaled by launch_scale_in_place would have.
+cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void* grad_output, bool mean,
+                                         void* grad_input, void* grad_target, int32_t* history,
+                                         cudaStream_t stream);
+
 // data *= *scale in place. Every block returns at once when *scale == 1, so
 // the common `loss.backward()` moves no memory and needs no host sync.
 cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel,
                                   const void* scale, DType scale_dtype,
-                                  int num_sms, cudaStream_t stream);
+                                  int num_sms, int32_t* history, cudaStream_t stream);
+
+// Both backward launches take `history`: null, or a slot of host-mapped memory
+// (grad_output_history in fusedloss_ops.cpp) where the kernel notes whether
+// grad_output was other than 1, for the next forward to read without a sync.
 
 }  // namespace fusedloss

@@ -36,6 +36,7 @@ struct PairOp {
   using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
   static constexpr int kChunksPerThread = 1;
+  static constexpr int kChunksInFlight = 1;
 
   template <int W>
   struct Chunk {
@@ -82,6 +83,13 @@ struct PairOp {
       return -Loss::grad(diff_in<TargetGradDtype>(x, y), target_grad_param);
     }
   }
+  // The gradients times `factor`, each rounded once into its storage dtype.
+  __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor) const {
+    return Convert<In>::from(input_grad(x, y) * factor);
+  }
+  __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor) const {
+    return Convert<Tgt>::from(target_grad(x, y) * factor);
+  }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
     load_chunk(c.input, input, first);
@@ -90,16 +98,19 @@ struct PairOp {
 };
 
 // Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
-// Without gradients a thread reads two chunks where they fit 64 bytes: the pass
-// only reads, and its blocks retire so fast that per-block work would show.
+// A thread takes two chunks per tile where they fit 64 bytes: a read-only
+// pass's blocks retire so fast that per-block work would show. A pass that
+// writes gradients loads them one after the other (both at once spill at 32
+// registers), but its tiles and sums are the same, so the loss has the same
+// bits whichever gradients are written.
 template <class Loss, typename In, typename Tgt, Grads kGrads>
 struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   template <int W>
   using Chunk = typename Base::template Chunk<W>;
-  static constexpr int kChunksPerThread =
-      kGrads == Grads::kNone && Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
   T grad_scale;
   double sum;
@@ -117,10 +128,8 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       chunk_sum += this->value(c.input[k], c.target[k]);
-      if (this->writes_input()) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * grad_scale);
-      if constexpr (this->kWritesTarget) {
-        gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * grad_scale);
-      }
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
+      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -177,8 +186,51 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
-      if (this->writes_input()) gi[k] = Convert<In>::from(this->input_grad(c.input[k], c.target[k]) * go);
-      if constexpr (this->kWritesTarget) gt[k] = Convert<Tgt>::from(this->target_grad(c.input[k], c.target[k]) * go);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
+      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
+    }
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+  }
+};
+
+// v times factor, rounded once into v's dtype: how backward scales a fused gradient.
+template <typename S, typename T>
+__device__ __forceinline__ S rounded_product(S v, T factor) {
+  return Convert<S>::from(to_opmath(v) * factor);
+}
+
+// The gradients of a mean or sum for a one-element grad_output, recomputed from
+// input and target: the fused forward's gradients (times grad_scale, rounded)
+// times grad_output, rounded again, as scaling those in place does. Either way
+// gives the same bits.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  T grad_scale;
+  const Out* __restrict__ grad_output;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    const T go = to_opmath(*grad_output);
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      if (this->writes_input()) {
+        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
+      }
+      if constexpr (this->kWritesTarget) {
+        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
+      }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
     if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
@@ -190,6 +242,7 @@ struct ScaleOp {
   using T = opmath_t<S, S>;
   static constexpr int kVec = 16 / sizeof(S);
   static constexpr int kChunksPerThread = 1;
+  static constexpr int kChunksInFlight = 1;
   template <int W>
   struct Chunk {
     alignas(16) S data[W];
@@ -204,7 +257,7 @@ struct ScaleOp {
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
     alignas(16) S scaled[W];
 #pragma unroll
-    for (int k = 0; k < W; ++k) scaled[k] = Convert<S>::from(to_opmath(c.data[k]) * scale);
+    for (int k = 0; k < W; ++k) scaled[k] = rounded_product(c.data[k], scale);
     store_chunk(data, first, scaled);
   }
 };
@@ -250,6 +303,17 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
   visit_tile<kVectorized>(op, n);
 }
 
+// Notes in `history` (host memory, when set) whether grad_output != 1, and
+// walks the tiles from the last: the forward just read those, so the first
+// ones are still in L2 (10 us of a 2.4 ms bf16 step at 2^30;
+// benchmarks/backward_probe.py).
+template <bool kVectorized, class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
+                                                                                            int32_t* history) {
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
+  visit_tile<kVectorized>(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+}
+
 template <typename T, typename Out>
 __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(const Word* sum, int copies,
                                                                             int64_t numel, bool mean, Out* out) {
@@ -274,12 +338,14 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 
 // One wave of blocks, each walking every gridDim.x-th tile: when scale == 1
 // (the common loss.backward()) the whole launch is one wave that exits at
-// once, not a million blocks.
+// once, not a million blocks. Notes in `history` (when set) whether scale != 1.
 template <bool kVectorized, typename S>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t tiles,
                                                                                      const void* scale,
-                                                                                     DType scale_dtype) {
+                                                                                     DType scale_dtype,
+                                                                                     int32_t* history) {
   const double s = load_as_double(scale, scale_dtype);
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = s != 1.0;
   if (s == 1.0) return;
   ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
 #pragma unroll 1
@@ -446,8 +512,34 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* gra
   });
 }
 
+cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
+                                         void* grad_target, int32_t* history, cudaStream_t stream) {
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
+                                                                                  auto grads) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = ReducedLossBackwardOp<decltype(loss), In, Tgt, grads()>;
+    if constexpr (grads() == Grads::kNone) {
+      return cudaSuccess;
+    } else {
+      const int64_t tiles = num_tiles<Op>(p.numel);
+      if (tiles == 0) return cudaSuccess;
+      Op op = make_op<Op>(p);
+      op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
+      op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
+                              is_aligned16(grad_input) && is_aligned16(grad_target);
+      const auto kernel = vectorized ? reduced_loss_backward_kernel<true, Op> : reduced_loss_backward_kernel<false, Op>;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, history);
+      return cudaGetLastError();
+    }
+  });
+}
+
 cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale,
-                                  DType scale_dtype, int num_sms, cudaStream_t stream) {
+                                  DType scale_dtype, int num_sms, int32_t* history, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   with_dtype(dtype, [&](auto s) {
     using S = decltype(s);
@@ -455,7 +547,7 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
     if (tiles == 0) return;
     const int64_t wave = std::min<int64_t>(tiles, int64_t(num_sms) * kBlocksPerSm);
     const auto kernel = is_aligned16(data) ? scale_in_place_kernel<true, S> : scale_in_place_kernel<false, S>;
-    kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel, tiles, scale, scale_dtype);
+    kernel<<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel, tiles, scale, scale_dtype, history);
     err = cudaGetLastError();
   });
   return err;
