@@ -484,57 +484,57 @@ cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t 
   });
 }
 
-cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
-                                           bool grad_output_is_scalar, void* grad_input,
-                                           void* grad_target, cudaStream_t stream) {
+// Calls f(op, tiles, aligned) with an OpT for the gradients that grad_input and
+// grad_target ask for, its operands and gradient pointers set (`aligned`: all
+// of those 16-byte aligned); nothing to do when none is asked for or the
+// problem is empty.
+template <template <class, typename, typename, Grads> class OpT, class F>
+cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_target, F&& f) {
   return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
                                                                                   auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
-    using Op = PointwiseLossBackwardOp<decltype(loss), In, Tgt, grads()>;
+    using Op = OpT<decltype(loss), In, Tgt, grads()>;
     if constexpr (grads() == Grads::kNone) {
       return cudaSuccess;
     } else {
       const int64_t tiles = num_tiles<Op>(p.numel);
       if (tiles == 0) return cudaSuccess;
       Op op = make_op<Op>(p);
-      op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-      op.grad_output_is_scalar = grad_output_is_scalar;
       op.grad_input = static_cast<In*>(grad_input);
       op.grad_target = static_cast<Tgt*>(grad_target);
-      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
-                              (grad_output_is_scalar || is_aligned16(grad_output)) &&
-                              is_aligned16(grad_input) && is_aligned16(grad_target);
-      const auto kernel = vectorized ? elementwise_kernel<true, Op> : elementwise_kernel<false, Op>;
-      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel);
-      return cudaGetLastError();
+      const bool aligned = is_aligned16(p.input) && is_aligned16(p.target) && is_aligned16(grad_input) &&
+                           is_aligned16(grad_target);
+      return f(op, tiles, aligned);
     }
+  });
+}
+
+cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
+                                           bool grad_output_is_scalar, void* grad_input,
+                                           void* grad_target, cudaStream_t stream) {
+  return with_gradient_op<PointwiseLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles,
+                                                                                    bool aligned) {
+    using Op = decltype(op);
+    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+    op.grad_output_is_scalar = grad_output_is_scalar;
+    const bool vectorized = aligned && (grad_output_is_scalar || is_aligned16(grad_output));
+    const auto kernel = vectorized ? elementwise_kernel<true, Op> : elementwise_kernel<false, Op>;
+    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel);
+    return cudaGetLastError();
   });
 }
 
 cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
                                          void* grad_target, int32_t* history, cudaStream_t stream) {
-  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
-                                                                                  auto grads) {
-    using In = decltype(in);
-    using Tgt = decltype(tgt);
-    using Op = ReducedLossBackwardOp<decltype(loss), In, Tgt, grads()>;
-    if constexpr (grads() == Grads::kNone) {
-      return cudaSuccess;
-    } else {
-      const int64_t tiles = num_tiles<Op>(p.numel);
-      if (tiles == 0) return cudaSuccess;
-      Op op = make_op<Op>(p);
-      op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
-      op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-      op.grad_input = static_cast<In*>(grad_input);
-      op.grad_target = static_cast<Tgt*>(grad_target);
-      const bool vectorized = is_aligned16(p.input) && is_aligned16(p.target) &&
-                              is_aligned16(grad_input) && is_aligned16(grad_target);
-      const auto kernel = vectorized ? reduced_loss_backward_kernel<true, Op> : reduced_loss_backward_kernel<false, Op>;
-      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, history);
-      return cudaGetLastError();
-    }
+  return with_gradient_op<ReducedLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles,
+                                                                                  bool aligned) {
+    using Op = decltype(op);
+    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
+    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+    const auto kernel = aligned ? reduced_loss_backward_kernel<true, Op> : reduced_loss_backward_kernel<false, Op>;
+    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, history);
+    return cudaGetLastError();
   });
 }
 
