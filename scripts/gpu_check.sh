@@ -14,11 +14,15 @@ case $part in
     {
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-      echo "== first build (empty cache)"
+      echo "== first build (empty cache), $(nproc) cores"
       /usr/bin/time -f "first build wall %e s" python3 -m fusedloss build
       echo "== second process (cached)"
-      /usr/bin/time -f "cached load wall %e s" python3 -m fusedloss build
+      /usr/bin/time -f "cached process wall %e s" python3 -c "import time, torch; start = time.perf_counter(); \
+from fusedloss import build; build.load(); print(f'cached load {time.perf_counter() - start:.3f} s after importing torch')"
+      echo "== a failed build, then a second process"
+      python3 scripts/failed_build_fallback.py
     } 2>&1 | tee "$OUT/build.log"
+    cp "$TORCH_EXTENSIONS_DIR"/fusedloss_*/.ninja_log "$OUT/ninja_log.txt"  # per-file compile times
     python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" | tail -60
     ;;
   stress)

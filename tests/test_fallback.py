@@ -30,12 +30,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _fake_nvcc(directory: Path, compile_error: str | None = None) -> Path:
-    """A CUDA_HOME whose bin/nvcc lists sm_75..sm_90 and compiles nothing (fails, if asked)."""
+    """A CUDA_HOME whose bin/nvcc lists sm_75..sm_90 and compiles nothing (fails, if asked), and
+    logs each call to nvcc.log."""
     nvcc = directory / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
+    (directory / "include").mkdir()
+    (directory / "include" / "cuda_runtime.h").write_text("")
     failure = f'echo "{compile_error}" >&2; exit 1' if compile_error else "exit 0"
     nvcc.write_text(
         "#!/bin/sh\n"
+        f'echo "$1" >> "{directory}/nvcc.log"\n'
         'if [ "$1" = "--list-gpu-arch" ]; then echo compute_75; echo compute_80; echo compute_90; exit 0; fi\n'
         f"{failure}\n"
     )
@@ -43,17 +47,26 @@ def _fake_nvcc(directory: Path, compile_error: str | None = None) -> Path:
     return directory
 
 
-@pytest.fixture
-def simulated_gpu(monkeypatch, tmp_path):
-    """A process that sees one sm_90 GPU, has not tried to build yet, and builds into tmp_path."""
+def _forget_this_process(monkeypatch) -> None:
+    """As in a new process: no build tried, no library loaded, no warning given."""
     monkeypatch.setattr(build, "_loaded_library", None)
     monkeypatch.setattr(build, "_load_failure", None)
     monkeypatch.setattr(build, "_fallback_warned", False)
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch, tmp_path):
+    """A process that sees one sm_90 GPU, has not tried to build yet, finds only a stand-in
+    nvcc, and builds into tmp_path."""
+    _forget_this_process(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(_fake_nvcc(tmp_path / "cuda")))
+    monkeypatch.setattr(build, "_pip_toolkit", lambda major: None)
+    monkeypatch.setenv("CUDA_HOME", str(_fake_nvcc(tmp_path / "cuda")))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.delenv(build.REQUIRE_KERNELS_ENV, raising=False)
     return monkeypatch
@@ -66,11 +79,11 @@ def _fallback_warnings(calls: int = 2) -> tuple[list[bool], list[str]]:
     return answers, [str(w.message) for w in caught if issubclass(w.category, build.FallbackWarning)]
 
 
-def test_missing_nvcc_warns_once_with_the_fix(simulated_gpu):
-    simulated_gpu.setattr(cpp_extension, "CUDA_HOME", None)
+def test_missing_nvcc_warns_once_with_the_pip_command(simulated_gpu, tmp_path):
+    simulated_gpu.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     answers, messages = _fallback_warnings()
     assert answers == [False, False] and len(messages) == 1
-    assert "nvcc was not found" in messages[0] and "set CUDA_HOME" in messages[0]
+    assert "nvcc was not found" in messages[0] and build.toolkit_install_command() in messages[0]
     assert "FUSEDLOSS_REQUIRE_KERNELS=1" in messages[0] and "torch.nn.functional" in messages[0]
 
 
@@ -88,30 +101,48 @@ def test_unsupported_architecture_warns_once_with_the_fix(simulated_gpu):
     assert "compute capability 5.2" in messages[0] and "CUDA_VISIBLE_DEVICES" in messages[0]
 
 
-@pytest.mark.skipif(not Path("/usr/local/bin/nvcc").exists(), reason="needs a real nvcc")
+@pytest.mark.skipif(not Path("/usr/local/cuda/bin/nvcc").exists(), reason="needs a real nvcc")
 def test_unsupported_architecture_with_the_real_nvcc(simulated_gpu):
-    simulated_gpu.setattr(cpp_extension, "CUDA_HOME", "/usr/local")
+    simulated_gpu.setenv("CUDA_HOME", "/usr/local/cuda")
     simulated_gpu.setattr(torch.cuda, "get_device_capability", lambda index=None: (3, 5))
     answers, messages = _fallback_warnings(1)
     assert answers == [False] and "compute capability 3.5" in messages[0]
 
 
-def test_compile_error_warns_once_with_the_compiler_message(simulated_gpu, tmp_path):
-    """The real load_inline and ninja; only nvcc is a stand-in that fails like a compile error."""
-    error = "loss_kernels.cu(12): error: identifier broken is undefined"
-    simulated_gpu.setattr(cpp_extension, "CUDA_HOME", str(_fake_nvcc(tmp_path / "failing", error)))
-    simulated_gpu.setattr(build, "read_source", lambda name: "" if name.endswith(".cpp") else "__global__ void k() {}")
+def test_compile_error_warns_once_and_is_remembered_across_processes(simulated_gpu, tmp_path):
+    """The real cpp_extension.load and ninja; only nvcc is a stand-in that fails like a compile error."""
+    error = "reduced_loss.cu(12): error: identifier broken is undefined"
+    cuda = _fake_nvcc(tmp_path / "failing", error)
+    simulated_gpu.setenv("CUDA_HOME", str(cuda))
     simulated_gpu.setenv("CXX", "true")  # the host half compiles to nothing, at once
     answers, messages = _fallback_warnings()
     assert answers == [False, False] and len(messages) == 1
     assert "compiling the CUDA kernels" in messages[0] and "identifier broken is undefined" in messages[0]
+    assert "reduced_loss.cu" in messages[0]  # errors point at the real files
     assert not list((tmp_path / "extensions").glob("*/build-complete"))
+    assert len(list((tmp_path / "extensions").glob("*/build-failed-*.txt"))) == 1
+    compiles = (cuda / "nvcc.log").read_text().count("--list-gpu-arch")
+
+    # The next process warns at once with the recorded error, and nvcc is not run again.
+    _forget_this_process(simulated_gpu)
+    answers, messages = _fallback_warnings()
+    assert answers == [False, False] and len(messages) == 1
+    assert "an earlier build" in messages[0] and "identifier broken is undefined" in messages[0]
+    assert "python -m fusedloss build --force" in messages[0]
+    assert (cuda / "nvcc.log").read_text().count("--list-gpu-arch") == compiles
+
+    # Another compiler is another key: it gets its own try.
+    _forget_this_process(simulated_gpu)
+    other = _fake_nvcc(tmp_path / "other", error)
+    simulated_gpu.setenv("CUDA_HOME", str(other))
+    _fallback_warnings(1)
+    assert (other / "nvcc.log").exists()
 
 
 def test_a_failed_build_is_tried_once_per_process(simulated_gpu):
     attempts = []
 
-    def failing_check():
+    def failing_check(toolkit, archs):
         attempts.append(1)
         raise build.KernelsUnavailableError("ninja was not found.")
 

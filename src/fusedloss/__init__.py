@@ -4,7 +4,7 @@
 drop-ins for ``torch.nn.functional``; ``fusedloss.nn`` has the module classes.
 """
 
-from . import nn
+from . import nn, ops  # ops defines the torch.ops.fusedloss operators
 from .functional import huber_loss, l1_loss, mse_loss, smooth_l1_loss
 
 __all__ = ["huber_loss", "l1_loss", "mse_loss", "nn", "smooth_l1_loss"]

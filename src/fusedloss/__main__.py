@@ -1,4 +1,4 @@
-"""Command line: ``python -m fusedloss {build,bench,kernelbench} ...``."""
+"""Command line: ``python -m fusedloss {build,bench} ...``."""
 
 from __future__ import annotations
 
@@ -8,40 +8,47 @@ import time
 from pathlib import Path
 
 
+def _build(arch: str | None, force: bool) -> int:
+    import torch
+
+    from . import build
+
+    start = time.perf_counter()
+    try:
+        library = build.build(arch, force=force)
+    except (build.KernelsUnavailableError, ValueError) as error:
+        print(f"fusedloss build failed: {error}")
+        return 1
+    seconds = time.perf_counter() - start
+    print(f"fusedloss kernels for compute capability {', '.join(build.arch_list(arch))} "
+          f"(torch {torch.__version__}, CUDA {torch.version.cuda}) ready in {seconds:.1f} s: {library}")
+    print(f"compiled with: {build.compiler_of(library)}")
+    registered = build.registered_ops()
+    missing = sorted(set(build.OPS) - set(registered))
+    print(f"CUDA kernels registered: {', '.join(f'fusedloss::{op}' for op in registered) or 'none'}")
+    if missing:
+        print(f"fusedloss build failed: no CUDA kernel registered for {', '.join(missing)}")
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["kernelbench"]:
-        from . import kernelbench
-
-        return kernelbench.main(argv[1:])
-
     parser = argparse.ArgumentParser(prog="python -m fusedloss")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("build", help="compile the CUDA kernels now and print where the build went")
+    build_parser = commands.add_parser(
+        "build", help="compile the CUDA kernels into the cache now (no GPU needed with --arch) and load them")
+    build_parser.add_argument("--arch", help="compute capabilities, e.g. 9.0 or '8.0;9.0+PTX' (default: "
+                                             "TORCH_CUDA_ARCH_LIST, else the visible GPUs)")
+    build_parser.add_argument("--force", action="store_true", help="build again, also after a recorded failure")
     bench = commands.add_parser("bench", help="check against float64 and time against eager and torch.compile")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the table, CSV and plot")
     bench.add_argument("--shape", type=int, nargs="+", default=[32768, 32768], help="input shape of the cases")
     bench.add_argument("--no-sweep", action="store_true", help="skip the 2^12..2^30 size sweep")
     bench.add_argument("--no-training", action="store_true", help="skip the forward+backward rows")
-    commands.add_parser("kernelbench", help="export or evaluate the KernelBench files (see its --help)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     if args.command == "build":
-        import torch
-
-        from . import build
-
-        if not torch.cuda.is_available():
-            print("fusedloss build: no CUDA device, nothing to build for.")
-            return 1
-        start = time.perf_counter()
-        try:
-            library = build.load()
-        except build.KernelsUnavailableError as error:
-            print(f"fusedloss build failed: {error}")
-            return 1
-        print(f"fusedloss kernels ready in {time.perf_counter() - start:.1f} s: {library}")
-        return 0
+        return _build(args.arch, args.force)
 
     from . import bench as bench_module
 

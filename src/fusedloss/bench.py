@@ -266,7 +266,7 @@ def _format_rows(rows: list[Row]) -> str:
 
 
 def cpu_demo() -> None:
-    """Without a GPU: fusedloss (which hands CPU tensors to torch.nn.functional) against float64."""
+    """Without a GPU: fusedloss's results (CPU tensors run torch.nn.functional) against float64."""
     torch.manual_seed(0)
     p = torch.randn(1000, 37) * 3
     t = torch.randn(1000, 37)
@@ -280,7 +280,8 @@ def cpu_demo() -> None:
 def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE, with_sweep: bool = True,
         with_training: bool = True) -> int:
     if not torch.cuda.is_available():
-        print("fusedloss bench: no CUDA device; running a small CPU correctness demo instead.")
+        print("fusedloss bench: no CUDA device, so nothing to time. fusedloss runs CPU tensors through "
+              "torch.nn.functional, so this demo checks those results against float64:")
         cpu_demo()
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,44 +1,59 @@
 """Compiling and loading the CUDA kernels.
 
-The sources in ``csrc/`` are read (local ``#include``s pasted in) and compiled
-on first use with ``torch.utils.cpp_extension.load_inline`` for the compute
-capabilities of the visible GPUs. The build goes into
-``$TORCH_EXTENSIONS_DIR/fusedloss_<hash>`` (torch's default root when unset);
-the hash covers the sources, the flags and the torch, CUDA and Python versions,
-so a build is reused by every later process and never by a different setup.
+The files in ``csrc/`` are compiled on first use with
+``torch.utils.cpp_extension.load``, one object per ``.cu`` file, in parallel,
+for the compute capabilities of the visible GPUs (or those named by
+``TORCH_CUDA_ARCH_LIST`` or ``python -m fusedloss build --arch``). The build
+goes into ``$TORCH_EXTENSIONS_DIR/fusedloss_<hash>`` (torch's default root when
+unset); the hash covers the sources, the flags, the architectures and the
+torch, CUDA and Python versions, so a build is reused by every later process,
+also one built ahead of time on a machine without a GPU, and never by a
+different setup.
+
+The compiler is the CUDA toolkit's nvcc (``CUDA_HOME``, ``nvcc`` on the PATH, or
+``/usr/local/cuda``) or, without one, NVIDIA's pip packages of the compiler
+for torch's CUDA version (``toolkit_install_command()`` names them).
 
 Processes that start together take an ``flock`` on the build directory: one
 builds, the others wait and then load its library. The kernel drops the lock
 of a process that dies, so a killed build cannot leave the others waiting.
 
-When the kernels cannot be built or loaded (no nvcc, no ninja, a compile
-error, a GPU the toolkit does not support), ``use_kernels()`` warns once with
-the cause and the fix and returns False, and ``fusedloss.functional`` falls
-back to ``torch.nn.functional``. ``FUSEDLOSS_REQUIRE_KERNELS=1`` makes that an
-error instead.
+A failed build is recorded in the build directory, keyed by the compiler, so
+later processes fall back at once with the recorded error instead of
+compiling again; ``python -m fusedloss build --force`` tries again. When the
+kernels cannot be built or loaded, ``use_kernels()`` warns once with the cause
+and the fix and returns False, and ``fusedloss.functional`` falls back to
+``torch.nn.functional``. ``FUSEDLOSS_REQUIRE_KERNELS=1`` makes that an error.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
-_COMMON_FLAGS = ["-O3", "-std=c++17"]
+# The host file and one translation unit per kernel family; the headers come in through #include.
+SOURCES = ("fusedloss_ops.cpp", *sorted(path.name for path in CSRC.glob("*.cu")))
+_COMMON_FLAGS = ["-O3"]  # the C++ standard is torch's choice: each torch version asks for its own
+OPS = ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_")
 
 REQUIRE_KERNELS_ENV = "FUSEDLOSS_REQUIRE_KERNELS"
+FAILURE_RECORD = "build-failed-{compiler}.txt"
 
 _loaded_library: Path | None = None
 _load_failure: KernelsUnavailableError | None = None
@@ -54,43 +69,184 @@ class FallbackWarning(UserWarning):
     """fusedloss runs torch.nn.functional's losses because its kernels are unavailable."""
 
 
-def read_source(name: str, _seen: set[str] | None = None) -> str:
-    """``csrc/name`` with each local ``#include "..."`` replaced by that file's text, once."""
-    seen = set() if _seen is None else _seen
-    seen.add(name)
-
-    def paste(match: re.Match) -> str:
-        header = match.group(1)
-        return "" if header in seen else read_source(header, seen)
-
-    text = (CSRC / name).read_text()
-    return _LOCAL_INCLUDE.sub(paste, text.replace("#pragma once\n", ""))
+# ---- the compiler ---------------------------------------------------------------------
 
 
-def arch_flags() -> list[str]:
-    """One ``-gencode`` per distinct compute capability among the visible GPUs."""
-    capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    return [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in capabilities]
+@dataclass(frozen=True)
+class Toolkit:
+    """A CUDA compiler and the headers and runtime library an extension builds against."""
+
+    home: Path  # what torch.utils.cpp_extension takes as CUDA_HOME: home/bin/nvcc, home/include
+    origin: str  # "system" or "pip"
+    include_dirs: tuple[Path, ...] = ()  # beyond home/include
+    runtime_dir: Path | None = None  # libcudart.so.<major>, where home/lib has no libcudart.so
+    version: str = field(default="", compare=False)
+
+    @property
+    def nvcc(self) -> Path:
+        return self.home / "bin" / "nvcc"
+
+    def identity(self) -> str:
+        """What a recorded build failure is keyed by: this nvcc and the host compiler."""
+        nvcc = self.nvcc.resolve()
+        stat = nvcc.stat()
+        host = os.environ.get("CXX") or shutil.which("c++") or "c++"
+        text = "\0".join([str(nvcc), str(stat.st_size), str(stat.st_mtime_ns), str(Path(host).resolve())])
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _build_inputs() -> tuple[str, str, str, list[str]]:
-    cpp = read_source("fusedloss_ops.cpp")
-    cuda = read_source("loss_kernels.cu")
-    cuda_flags = _COMMON_FLAGS + arch_flags()
-    fingerprint = "\0".join(
-        [cpp, cuda, *cuda_flags, torch.__version__, str(torch.version.cuda), sys.version.split()[0]]
+def _torch_cuda_major() -> str:
+    return (torch.version.cuda or "").split(".")[0]
+
+
+def toolkit_install_command() -> str:
+    """The pip command that installs NVIDIA's CUDA compiler matching this torch's CUDA version."""
+    version = torch.version.cuda or "13.0"
+    major, minor = version.split(".")[:2]
+    packages = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl")
+    if int(major) < 13:  # CUDA 12's wheels carry the major version in their names; runtime headers come with torch
+        packages = ("nvidia-cuda-nvcc-cu12",)
+    return "pip install " + " ".join(f'"{name}=={major}.{minor}.*"' for name in packages)
+
+
+def _system_cuda_homes() -> list[Path]:
+    """Where a CUDA toolkit installed outside pip may be: CUDA_HOME or CUDA_PATH alone when
+    set, else where nvcc on the PATH lives, else /usr/local/cuda."""
+    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if explicit:
+        return [Path(explicit)]
+    homes = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:  # a wrapper script may stand on the PATH: its real folder, then its own
+        homes += [Path(nvcc).resolve().parent.parent, Path(nvcc).parent.parent]
+    return [*homes, Path("/usr/local/cuda")]
+
+
+def _pip_package_dirs() -> list[Path]:
+    """The folders of the ``nvidia`` namespace package (NVIDIA's pip wheels), on sys.path."""
+    spec = importlib.util.find_spec("nvidia")
+    return [Path(p) for p in spec.submodule_search_locations] if spec and spec.submodule_search_locations else []
+
+
+def _pip_toolkit(major: str) -> Toolkit | None:
+    """NVIDIA's pip-installed compiler for CUDA `major`: nvidia/cu<major>/ from CUDA 13 on,
+    nvidia/cuda_nvcc/ with the runtime in nvidia/cuda_runtime/ before."""
+    for root in _pip_package_dirs():
+        unified = root / f"cu{major}"
+        if (unified / "bin" / "nvcc").exists():
+            return Toolkit(unified, "pip", runtime_dir=unified / "lib", version=_pip_version("nvidia-cuda-nvcc"))
+        legacy = root / "cuda_nvcc"
+        if major == "12" and (legacy / "bin" / "nvcc").exists():
+            runtime = root / "cuda_runtime"
+            includes = tuple(p for p in (runtime / "include", root / "cuda_cccl" / "include") if p.exists())
+            return Toolkit(legacy, "pip", includes, runtime / "lib", _pip_version("nvidia-cuda-nvcc-cu12"))
+    return None
+
+
+def _pip_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def find_toolkit() -> Toolkit:
+    """The CUDA compiler to build with: a system toolkit, else NVIDIA's pip packages for torch's CUDA major."""
+    if not torch.version.cuda:
+        raise KernelsUnavailableError(
+            f"torch {torch.__version__} is built without CUDA, so there is nothing to build the kernels against."
+        )
+    for home in _system_cuda_homes():
+        if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
+            return Toolkit(home, "system")
+    found = _pip_toolkit(_torch_cuda_major())
+    if found is not None:
+        return found
+    raise KernelsUnavailableError(
+        f"nvcc was not found: no CUDA toolkit (CUDA_HOME, nvcc on the PATH, /usr/local/cuda) and no pip "
+        f"package of NVIDIA's compiler for CUDA {torch.version.cuda}. Install it with: "
+        f"{toolkit_install_command()}"
     )
-    name = "fusedloss_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-    return name, cpp, cuda, cuda_flags
+
+
+@contextmanager
+def _cpp_extension_using(toolkit: Toolkit) -> Iterator[None]:
+    """torch.utils.cpp_extension reads the toolkit from its module-level CUDA_HOME."""
+    from torch.utils import cpp_extension
+
+    saved = cpp_extension.CUDA_HOME
+    cpp_extension.CUDA_HOME = str(toolkit.home)
+    try:
+        yield
+    finally:
+        cpp_extension.CUDA_HOME = saved
+
+
+def _link_flags(toolkit: Toolkit, directory: Path) -> list[str]:
+    """cpp_extension links with -lcudart; the pip runtime ships only libcudart.so.<major>."""
+    if toolkit.runtime_dir is None:
+        return []
+    runtime = sorted(toolkit.runtime_dir.glob("libcudart.so.*"))
+    if not runtime:
+        raise KernelsUnavailableError(f"no libcudart.so.* in {toolkit.runtime_dir}: reinstall with "
+                                      f"{toolkit_install_command()}")
+    link_dir = directory / "cudart"
+    link_dir.mkdir(exist_ok=True)
+    link = link_dir / "libcudart.so"
+    if not link.exists():
+        link.symlink_to(runtime[0])
+    return [f"-L{link_dir}", f"-Wl,-rpath,{toolkit.runtime_dir}"]
+
+
+# ---- architectures and the build's name -----------------------------------------------
+
+
+def arch_list(arch: str | None = None) -> list[str]:
+    """Compute capabilities to build for, as "9.0" or "9.0+PTX": `arch` (";" or " "
+    separated), else ``TORCH_CUDA_ARCH_LIST``, else those of the visible GPUs."""
+    spec = arch or os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if spec:
+        archs = [a for a in re.split(r"[;\s,]+", spec.strip()) if a]
+        for a in archs:
+            if not re.fullmatch(r"\d+\.\d+[a-z]?(\+PTX)?", a):
+                raise ValueError(f"not a compute capability: {a!r} (expected for example 9.0 or 9.0+PTX)")
+        return sorted(set(archs))
+    capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    return [f"{major}.{minor}" for major, minor in sorted(capabilities)]
+
+
+def gencode_flags(archs: Sequence[str]) -> list[str]:
+    """One ``-gencode`` per architecture, plus PTX for those marked ``+PTX``."""
+    flags = []
+    for arch in archs:
+        number = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def build_name(archs: Sequence[str]) -> str:
+    """The build's folder name: a hash of everything the library depends on but the compiler."""
+    fingerprint = "\0".join([_source_digest(), *_COMMON_FLAGS, *gencode_flags(archs), torch.__version__,
+                             str(torch.version.cuda), sys.version.split()[0]])
+    return "fusedloss_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
 
 def build_root() -> Path:
     """Where builds go: ``$TORCH_EXTENSIONS_DIR``, else torch's default root."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = get_default_build_root()
+        # As torch.utils.cpp_extension.get_default_build_root, without importing that module.
+        root = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
     return Path(root)
 
 
@@ -104,36 +260,24 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _nvcc() -> str:
-    from torch.utils import cpp_extension
-
-    cuda_home = cpp_extension.CUDA_HOME
-    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
-    if nvcc is None or not os.path.exists(nvcc):
-        where = f"CUDA_HOME={cuda_home}" if cuda_home else "CUDA_HOME is unset and nvcc is not on PATH"
-        raise KernelsUnavailableError(
-            f"nvcc was not found ({where}). Install the CUDA toolkit {torch.version.cuda} and set CUDA_HOME "
-            "to its root."
-        )
-    return nvcc
+# ---- building ---------------------------------------------------------------------------
 
 
-def _check_build_tools() -> None:
+def _check_build_tools(toolkit: Toolkit, archs: Sequence[str]) -> None:
     """Fail early, with the fix, for what the build would otherwise fail on obscurely."""
     from torch.utils import cpp_extension
 
-    nvcc = _nvcc()
     if not cpp_extension.is_ninja_available():
         raise KernelsUnavailableError("ninja was not found. Install it: pip install ninja")
-    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True)
+    listed = subprocess.run([str(toolkit.nvcc), "--list-gpu-arch"], capture_output=True, text=True)
     if listed.returncode != 0:
         return  # an old nvcc without the flag: the build itself will tell
     supported = set(listed.stdout.split())
-    for index in range(torch.cuda.device_count()):
-        major, minor = torch.cuda.get_device_capability(index)
-        if f"compute_{major}{minor}" not in supported:
+    for arch in archs:
+        number = arch.removesuffix("+PTX").replace(".", "")
+        if f"compute_{number}" not in supported:
             raise KernelsUnavailableError(
-                f"cuda:{index} has compute capability {major}.{minor}, which {nvcc} cannot compile for "
+                f"compute capability {arch.removesuffix('+PTX')} is not one {toolkit.nvcc} can compile for "
                 f"(it supports {', '.join(sorted(supported))}). Install a CUDA toolkit that supports it, "
                 "or hide that GPU with CUDA_VISIBLE_DEVICES."
             )
@@ -141,43 +285,66 @@ def _check_build_tools() -> None:
 
 def _first_error_lines(message: str, count: int = 3) -> str:
     # Compiler diagnostics ("x.cu(12): error: ...", "fatal error: ..."), not the command lines.
-    errors = [line.strip() for line in message.splitlines() if "error:" in line]
+    errors = [line.strip() for line in message.splitlines() if "error:" in line or "error #" in line]
     return "\n  ".join(errors[:count] or message.strip().splitlines()[-count:])
 
 
-def _build_or_load() -> Path:
-    from torch.utils.cpp_extension import load_inline
+def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str]) -> None:
+    from torch.utils.cpp_extension import load
 
-    name, cpp, cuda, cuda_flags = _build_inputs()
+    with _cpp_extension_using(toolkit):
+        load(
+            name=name,
+            sources=[str(CSRC / source) for source in SOURCES],
+            extra_cflags=_COMMON_FLAGS,
+            extra_cuda_cflags=_COMMON_FLAGS + gencode_flags(archs),
+            extra_ldflags=_link_flags(toolkit, directory),
+            extra_include_paths=[str(CSRC), *map(str, toolkit.include_dirs)],
+            build_directory=str(directory),
+            is_python_module=False,
+        )
+
+
+def _build_or_load(archs: Sequence[str], force: bool = False) -> Path:
+    name = build_name(archs)
     directory = build_root() / name
     library = directory / f"{name}.so"
     done = directory / "build-complete"
+    if done.exists() and not force:
+        return _load_library(library, directory)
+    toolkit = find_toolkit()
     directory.mkdir(parents=True, exist_ok=True)
-    if not done.exists():
-        with _exclusive(directory / "build.flock"):
-            if not done.exists():
-                _check_build_tools()
-                # A baton file of torch's own, left by a build that was killed.
-                (directory / "lock").unlink(missing_ok=True)
-                try:
-                    load_inline(
-                        name=name,
-                        cpp_sources=cpp,
-                        cuda_sources=cuda,
-                        extra_cflags=_COMMON_FLAGS,
-                        extra_cuda_cflags=cuda_flags,
-                        build_directory=str(directory),
-                        is_python_module=False,
-                    )
-                except Exception as error:
-                    raise KernelsUnavailableError(
-                        f"compiling the CUDA kernels in {directory} failed:\n  {_first_error_lines(str(error))}\n"
-                        "Check that nvcc, the C++ compiler and torch fit together (torch "
-                        f"{torch.__version__} was built with CUDA {torch.version.cuda}), and report the "
-                        "error to fusedloss if they do."
-                    ) from error
-                done.touch()
-                return library
+    record = directory / FAILURE_RECORD.format(compiler=toolkit.identity())
+    with _exclusive(directory / "build.flock"):
+        if done.exists() and not force:
+            return _load_library(library, directory)
+        if record.exists() and not force:
+            raise KernelsUnavailableError(
+                f"an earlier build of the CUDA kernels with {toolkit.nvcc} failed (recorded in {record}):\n  "
+                f"{record.read_text().strip()}\nRun `python -m fusedloss build --force` to try again."
+            )
+        done.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
+        # A baton file of torch's own, left by a build that was killed.
+        (directory / "lock").unlink(missing_ok=True)
+        try:
+            _check_build_tools(toolkit, archs)
+            _compile(name, directory, toolkit, archs)
+        except Exception as error:
+            lines = error.args[0] if isinstance(error, KernelsUnavailableError) else _first_error_lines(str(error))
+            record.write_text(lines + "\n")
+            if isinstance(error, KernelsUnavailableError):
+                raise
+            raise KernelsUnavailableError(
+                f"compiling the CUDA kernels in {directory} with {toolkit.nvcc} failed:\n  {lines}\n"
+                f"Check that nvcc, the C++ compiler and torch fit together (torch {torch.__version__} was built "
+                f"with CUDA {torch.version.cuda}), and report the error to fusedloss if they do."
+            ) from error
+        done.touch()
+    return library
+
+
+def _load_library(library: Path, directory: Path) -> Path:
     try:
         torch.ops.load_library(str(library))
     except OSError as error:
@@ -187,13 +354,41 @@ def _build_or_load() -> Path:
     return library
 
 
+def compiler_of(library: Path) -> str:
+    """The nvcc that built `library`, as its build file names it."""
+    ninja = library.parent / "build.ninja"
+    found = re.search(r"^nvcc = (.+)$", ninja.read_text(), re.MULTILINE) if ninja.exists() else None
+    return found.group(1).strip() if found else "unknown"
+
+
+def registered_ops() -> list[str]:
+    """The fusedloss:: operators that have a CUDA kernel in this process."""
+    return [op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedloss::{op}", "CUDA")]
+
+
+def build(arch: str | None = None, force: bool = False) -> Path:
+    """Build the kernels for `arch` (else ``TORCH_CUDA_ARCH_LIST``, else the visible GPUs)
+    into the cache, or reuse the cached build; load it; return the library's path.
+
+    Needs no GPU, so a login node or an image build can prepare the cache that
+    later GPU processes load. ``force`` builds again, also after a recorded failure.
+    """
+    archs = arch_list(arch)
+    if not archs:
+        raise KernelsUnavailableError("no GPU is visible and no architecture was named: pass --arch (for example "
+                                      "python -m fusedloss build --arch 9.0) or set TORCH_CUDA_ARCH_LIST")
+    with _load_lock:
+        return _build_or_load(archs, force)
+
+
 def load() -> Path | None:
     """Build the CUDA kernels if needed, load them once per process, and return the library's path.
 
     Without a CUDA device there is nothing to run them on (CUDA tensors can then
     only be fake ones, which the fake kernels serve): None. Raises
     ``KernelsUnavailableError`` when they cannot be built or loaded; a failure
-    is remembered, so the build is tried once per process.
+    is remembered, so the build is tried once per process, and on disk, so a
+    later process reports it at once.
     """
     global _loaded_library, _load_failure
     if _loaded_library is None:
@@ -202,7 +397,7 @@ def load() -> Path | None:
                 raise _load_failure
             if _loaded_library is None and torch.cuda.is_available():
                 try:
-                    _loaded_library = _build_or_load()
+                    _loaded_library = _build_or_load(arch_list())
                 except KernelsUnavailableError as error:
                     _load_failure = error
                     raise
@@ -240,5 +435,5 @@ def use_kernels() -> bool:
 
 # torch.compile calls this once while tracing and keeps the answer, as
 # torch.compiler.assume_constant_result(use_kernels) would; set directly, as that
-# decorator does, because importing it costs the import of torch._dynamo (~1.3 s).
+# decorator does, because importing it costs the import of torch._dynamo.
 use_kernels._dynamo_marked_constant = True  # type: ignore[attr-defined]

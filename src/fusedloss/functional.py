@@ -11,6 +11,8 @@ cannot be built (see ``build.use_kernels``).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,36 @@ from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
 from . import build, gradient_placement
-from . import ops as _ops  # noqa: F401  (defines torch.ops.fusedloss)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A row of the table of losses: PyTorch's loss and its derivative, in plain torch."""
+
+    # torch.nn.functional's loss of (input, target, reduction, beta or delta)
+    reference: Callable[[Tensor, Tensor, str, float], Tensor]
+    # d loss / d input as a function of d = input - target (and beta or delta)
+    gradient: Callable[[Tensor, float], Tensor]
+    # PyTorch returns the input's dtype, not the promoted one
+    keeps_input_dtype: bool = False
+
+
+# The Python side of the table of losses; csrc/losses.cuh holds the CUDA side,
+# under the same names. A new elementwise loss is a row in each, its public
+# function below, and its module in nn.py.
+LOSSES: dict[str, Loss] = {
+    "mse": Loss(lambda i, t, reduction, _: F.mse_loss(i, t, reduction=reduction), lambda d, _: 2 * d),
+    "l1": Loss(lambda i, t, reduction, _: F.l1_loss(i, t, reduction=reduction), lambda d, _: d.sgn()),
+    "smooth_l1": Loss(
+        lambda i, t, reduction, beta: F.smooth_l1_loss(i, t, reduction=reduction, beta=beta),
+        lambda d, beta: (d / beta).clamp(-1, 1),
+    ),
+    "huber": Loss(
+        lambda i, t, reduction, delta: F.huber_loss(i, t, reduction=reduction, delta=delta),
+        lambda d, delta: d.clamp(-delta, delta),
+        keeps_input_dtype=True,
+    ),
+}
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}

@@ -5,7 +5,7 @@ which registers them with ``TORCH_LIBRARY_IMPL(fusedloss, CUDA, m)`` when
 ``build.load()`` loads it. The schemas are defined here so that they, the fake
 kernels and the autograd formulas exist, and can be tested, without a GPU.
 
-``loss`` is one of ``formulas.LOSSES``; ``param`` is beta for ``smooth_l1``
+``loss`` names a row of ``functional.LOSSES``; ``param`` is beta for ``smooth_l1``
 (> 0) and delta for ``huber``. Operands broadcast; gradients come back in the
 broadcast shape and autograd sums them to each operand's own shape.
 

@@ -9,14 +9,13 @@
 namespace fusedloss {
 
 constexpr int kBlockThreads = 256;
-// 8 x 256 threads per SM (32 registers each) keep two 16-byte loads in flight
-// per thread, enough to reach HBM bandwidth.
+// 8 x 256 threads per SM at 32 registers each: with two 16-byte loads in flight
+// per thread, enough bytes in flight to stream at HBM bandwidth.
 constexpr int kBlocksPerSm = 8;
-constexpr int kScalarUnroll = 4;
 
 // W elements from `src + first`: 16-byte loads when the chunk is a whole number
-// of 16-byte words, scalar loads otherwise (W == 1). Plain loads: evict-first
-// (ld.global.cs) loads cost 5% of the bandwidth (benchmarks/tile_probe.py).
+// of 16-byte words, scalar loads otherwise (W == 1, a tile's tail). Plain
+// loads: evict-first (ld.global.cs) ones lose bandwidth on this access pattern.
 template <int W, typename T>
 __device__ __forceinline__ void load_chunk(T (&dst)[W], const T* __restrict__ src, int64_t first) {
   if constexpr (W * sizeof(T) % 16 == 0) {
@@ -67,35 +66,27 @@ template <class Op>
 constexpr int64_t kTileElements = int64_t(kBlockThreads) * Op::kVec * Op::kChunksPerThread;
 
 // The block walks tile number `tile` (by default its own): Op::kChunksPerThread
-// Op::kVec-wide chunks per thread, Op::kChunksInFlight loaded at once, when all
-// of the op's pointers are 16-byte aligned, then the tile's tail one by one;
-// else one by one.
-template <bool kVectorized, class Op>
+// Op::kVec-wide chunks per thread, Op::kChunksInFlight loaded at once, then
+// the tile's tail one by one. The op's pointers are 16-byte aligned (launch.h).
+template <class Op>
 __device__ __forceinline__ void visit_tile(Op& op, int64_t n, int64_t tile = blockIdx.x) {
   const int64_t begin = tile * kTileElements<Op>;
   const int64_t count = (n - begin < kTileElements<Op> ? n - begin : kTileElements<Op>);
-  if constexpr (kVectorized) {
-    const int64_t num_chunks = count / Op::kVec;
-    visit_chunks<Op::kVec, Op::kChunksInFlight>(op, begin, num_chunks);
-    visit_chunks<1, 1>(op, begin + num_chunks * Op::kVec, count - num_chunks * Op::kVec);
-  } else {
-    visit_chunks<1, kScalarUnroll>(op, begin, count);
-  }
+  const int64_t num_chunks = count / Op::kVec;
+  visit_chunks<Op::kVec, Op::kChunksInFlight>(op, begin, num_chunks);
+  visit_chunks<1, 1>(op, begin + num_chunks * Op::kVec, count - num_chunks * Op::kVec);
 }
 
 // One tile of kBlockThreads * Op::kChunksPerThread chunks per block, blocks in
 // launch order: the scheduler hands out the next tile as a block retires, so
-// the whole GPU streams through a narrow window of each tensor. Measured at 2^30 elements
-// (benchmarks/store_probe.py): 97-103% of copy bandwidth for read 2N + write N,
-// against 89% for blocks that own 64 KB ranges, and the same at every placement
-// of the output. The tiles depend only on n and the op, so a reduction's
-// partial sums are the same on every run.
+// the whole GPU streams through a narrow window of each tensor, which keeps
+// DRAM pages open (docs/design.md, "Tiles"); blocks that own long ranges
+// scatter the accesses. The tiles depend only on n and the op, so a
+// reduction's partial sums are the same on every run.
 template <class Op>
 inline int64_t num_tiles(int64_t n) {
   return (n + kTileElements<Op> - 1) / kTileElements<Op>;
 }
-
-inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Sum over the block, in a fixed order; the result is valid in thread 0.
 __device__ __forceinline__ double block_sum(double v) {

@@ -15,8 +15,8 @@
 // the carries of up to 2^30 tiles (launch_reduced_loss refuses more).
 //
 // Neighbouring tiles add into different copies of the digits, each copy from
-// the start of its own 128-byte line, as many as the caller's scratch holds:
-// atomics from many tiles to a few lines queue at L2 (benchmarks/sum_probe.py).
+// the start of its own 128-byte line, as many as the scratch holds: atomics
+// from many tiles to a few lines queue at L2.
 #pragma once
 
 #include <cfloat>
@@ -133,5 +133,26 @@ struct ExactSum {
     return ldexp(double(Word(window)), exponent);
   }
 };
+
+// The scratch a reduction sums into: one 512-byte allocator block, as small as
+// the 0-d loss itself, below kLargeScratchFromTiles tiles; from there on
+// 2 KiB, whose extra lines spread the atomics of many tiles. Eager PyTorch's
+// own mean allocates as much for its staging at those sizes, so a training
+// step's peak memory stays at or below eager's.
+constexpr int64_t kSmallScratchBytes = 512;
+constexpr int64_t kLargeScratchBytes = 2048;
+constexpr int64_t kLargeScratchFromTiles = 8192;
+constexpr int kMaxScratchWords = kLargeScratchBytes / sizeof(Word);
+
+__host__ __device__ constexpr int64_t scratch_bytes(int64_t tiles) {
+  return tiles < kLargeScratchFromTiles ? kSmallScratchBytes : kLargeScratchBytes;
+}
+
+// How many copies of the exact sum the scratch holds: a power of two.
+template <typename T>
+__host__ __device__ constexpr int scratch_copies(int64_t tiles) {
+  static_assert(ExactSum<T>::kCopyWords * sizeof(Word) <= kSmallScratchBytes, "a copy must fit the scratch");
+  return int(scratch_bytes(tiles) / sizeof(Word)) / ExactSum<T>::kCopyWords;
+}
 
 }  // namespace fusedloss

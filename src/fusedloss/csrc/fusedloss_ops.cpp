@@ -2,13 +2,18 @@
 // autograd are defined in Python (fusedloss/ops.py). This file turns tensors
 // into a LossProblem, allocates outputs, and launches on the current stream of
 // the tensors' own device.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "launch.h"
 
@@ -16,10 +21,10 @@ namespace fusedloss {
 namespace {
 
 LossKind parse_loss(c10::string_view name) {
-  if (name == "mse") return LossKind::kMse;
-  if (name == "l1") return LossKind::kL1;
-  if (name == "smooth_l1") return LossKind::kSmoothL1;
-  if (name == "huber") return LossKind::kHuber;
+#define FUSEDLOSS_PARSE_LOSS(Name, text) \
+  if (name == text) return LossKind::k##Name;
+  FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARSE_LOSS)
+#undef FUSEDLOSS_PARSE_LOSS
   TORCH_CHECK(false, "fusedloss: unknown loss '", name, "'");
 }
 
@@ -53,6 +58,15 @@ struct Operands {
   LossProblem problem;
 };
 
+bool is_aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Contiguous and 16-byte aligned, as the kernels read it (launch.h): a view at
+// an odd storage offset is copied, like a non-contiguous one.
+at::Tensor as_kernel_layout(const at::Tensor& t) {
+  if (!t.is_contiguous()) return t.contiguous();
+  return is_aligned16(t) ? t : t.clone();
+}
+
 // Skips each step that has nothing to do: this runs on every call. The kernels
 // take fp64 only paired with fp64, so pairs with one fp64 side meet in `common`
 // here; other mixed pairs are read as they are.
@@ -60,7 +74,20 @@ at::Tensor as_kernel_operand(const at::Tensor& t, at::ScalarType common, at::Int
   const bool fp64_pair = common == at::kDouble || t.scalar_type() == at::kDouble;
   at::Tensor out = fp64_pair && t.scalar_type() != common ? t.to(common) : t;
   if (out.sizes() != shape) out = out.expand(shape);
-  return out.is_contiguous() ? out : out.contiguous();
+  return as_kernel_layout(out);
+}
+
+// The shape that input and target broadcast to (PyTorch's checks ran before).
+std::vector<int64_t> broadcast_shape(at::IntArrayRef a, at::IntArrayRef b) {
+  const size_t rank = std::max(a.size(), b.size());
+  std::vector<int64_t> shape(rank);
+  for (size_t i = 0; i < rank; ++i) {
+    const int64_t x = i < rank - a.size() ? 1 : a[i - (rank - a.size())];
+    const int64_t y = i < rank - b.size() ? 1 : b[i - (rank - b.size())];
+    TORCH_CHECK(x == y || x == 1 || y == 1, "fusedloss: shapes ", a, " and ", b, " do not broadcast");
+    shape[i] = x == 1 ? y : x;
+  }
+  return shape;
 }
 
 Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param) {
@@ -76,11 +103,11 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
   // the other losses in the promoted dtype.
   const at::ScalarType common = kind == LossKind::kHuber
                                     ? input.scalar_type()
-                                    : at::promote_types(input.scalar_type(), target.scalar_type());
+                                    : c10::promoteTypes(input.scalar_type(), target.scalar_type());
 
   Operands ops;
   ops.loss_dtype = common;
-  const auto shape = at::infer_size(input.sizes(), target.sizes());
+  const std::vector<int64_t> shape = broadcast_shape(input.sizes(), target.sizes());
   ops.input = as_kernel_operand(input, common, shape);
   ops.target = as_kernel_operand(target, common, shape);
   ops.problem = LossProblem{kind,
@@ -148,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
   at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
   const bool go_is_scalar = go.numel() > 0 && std::all_of(go.strides().begin(), go.strides().end(),
                                                           [](int64_t s) { return s == 0; });
-  go = go_is_scalar ? go.as_strided({1}, {1}) : go.contiguous();
+  go = go_is_scalar ? go.as_strided({1}, {1}) : as_kernel_layout(go);
 
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
@@ -168,8 +195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& in
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem, grad_input.numel() > 0,
-                                                           grad_target.numel() > 0);
+  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem);
   at::Tensor scratch = at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte));
   C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr(), data_or_null(grad_input),
                                      data_or_null(grad_target), mean, out.data_ptr(),
@@ -198,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
               "fusedloss: scale_ takes a one-element scale on the tensor's device");
-  TORCH_CHECK(self.is_contiguous(), "fusedloss: scale_ needs a contiguous tensor");
+  TORCH_CHECK(self.is_contiguous() && is_aligned16(self), "fusedloss: scale_ needs a contiguous, 16-byte aligned tensor");
   const c10::cuda::CUDAGuard guard(self.device());
   C10_CUDA_CHECK(launch_scale_in_place(self.data_ptr(), to_dtype(self.scalar_type()), self.numel(),
                                        scale.data_ptr(), to_dtype(scale.scalar_type()),
@@ -208,7 +234,13 @@ void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_inde
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
+// The operators' namespace: fusedloss's own, unless a build that must not meet
+// it in the same process (the KernelBench files) names another.
+#ifndef FUSEDLOSS_OPS_NAMESPACE
+#define FUSEDLOSS_OPS_NAMESPACE fusedloss
+#endif
+
+TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("pointwise_loss", &pointwise_loss);
   m.impl("pointwise_loss_backward", &pointwise_loss_backward);
   m.impl("reduced_loss", &reduced_loss);
@@ -217,6 +249,8 @@ TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
 }
 
 // No tensor argument to dispatch on.
-TORCH_LIBRARY_IMPL(fusedloss, CompositeExplicitAutograd, m) { m.impl("grad_output_history", &grad_output_history); }
+TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CompositeExplicitAutograd, m) {
+  m.impl("grad_output_history", &grad_output_history);
+}
 
 }  // namespace fusedloss

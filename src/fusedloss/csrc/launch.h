@@ -1,14 +1,23 @@
 // The boundary between the host code (torch tensors, fusedloss_ops.cpp) and the
-// kernels (plain pointers, loss_kernels.cu). The kernels include no torch
+// kernels (plain pointers, the *.cu files). The kernels include no torch
 // header, so they compile quickly and can be shipped on their own.
+//
+// Every pointer passed here is 16-byte aligned: the kernels load and store
+// whole 16-byte words, and the host code copies an operand whose storage
+// offset breaks that.
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "losses.cuh"
+
 namespace fusedloss {
 
-enum class LossKind : int { kMse, kL1, kSmoothL1, kHuber };
+#define FUSEDLOSS_LOSS_KIND(Name, name) k##Name,
+enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
+#undef FUSEDLOSS_LOSS_KIND
+
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
@@ -25,25 +34,22 @@ struct LossProblem {
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
 // below): each tile's partial sum is added exactly into `scratch`
-// (reduced_loss_scratch_bytes, 512 or 2048 bytes; the launch zeroes it), so
-// the result has the same bits on every run and needs no memory in proportion
-// to N; and, where the pointers are set, d loss / d input and d loss / d target
-// (times 1/N for a mean) in the same pass.
-int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_input, bool writes_target);
+// (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
+// same bits on every run and needs no memory in proportion to N; and, where
+// the pointers are set, d loss / d input and d loss / d target (times 1/N for
+// a mean) in the same pass.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
-cudaError_t launch_pointwise_loss(const LossProblem& problem, void* out,
-                                  cudaStream_t stream);
+cudaError_t launch_pointwise_loss(const LossProblem& problem, void* out, cudaStream_t stream);
 
 // reduction='none' backward. `grad_output` has the loss's dtype; with
 // `grad_output_is_scalar` one value is broadcast to every element.
-cudaError_t launch_pointwise_loss_backward(const LossProblem& problem,
-                                           const void* grad_output,
-                                           bool grad_output_is_scalar,
-                                           void* grad_input, void* grad_target,
+cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const void* grad_output,
+                                           bool grad_output_is_scalar, void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
@@ -56,8 +62,7 @@ cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void*
 
 // data *= *scale in place. Every block returns at once when *scale == 1, so
 // the common `loss.backward()` moves no memory and needs no host sync.
-cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel,
-                                  const void* scale, DType scale_dtype,
+cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale, DType scale_dtype,
                                   int num_sms, int32_t* history, cudaStream_t stream);
 
 // Both backward launches take `history`: null, or a slot of host-mapped memory

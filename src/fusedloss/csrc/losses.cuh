@@ -1,12 +1,26 @@
-// The four losses as functions of d = input - target. `value` and `grad`
-// (d loss / d input) follow PyTorch's kernels branch for branch, so NaN and the
-// region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
+// The losses: the table that the host code and the kernel dispatch expand,
+// and each loss as a function of d = input - target.
+//
+// A new elementwise loss is one row here, one struct below, and its row in
+// fusedloss/functional.py (the Python side of the same table).
+#pragma once
+
+// X(Name, "name"): the struct Name##Loss below, called "name" from Python.
+#define FUSEDLOSS_FOR_EACH_LOSS(X) \
+  X(Mse, "mse")                    \
+  X(L1, "l1")                      \
+  X(SmoothL1, "smooth_l1")         \
+  X(Huber, "huber")
+
+#ifdef __CUDACC__
+
+// `value` and `grad` (d loss / d input) follow PyTorch's kernels branch for
+// branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
 // kGradInOwnDtype: PyTorch's CUDA backward computes each gradient in that
 // gradient's dtype, seeing the other operand and beta in it (Smooth L1). For the
 // others fusedloss differentiates the loss as computed, in its dtype: PyTorch's
 // MSE and Huber backward reject mixed dtypes, and L1's gradient is composed by
 // autograd from the promoted difference.
-#pragma once
 
 namespace fusedloss {
 
@@ -68,3 +82,5 @@ struct HuberLoss {
 };
 
 }  // namespace fusedloss
+
+#endif  // __CUDACC__

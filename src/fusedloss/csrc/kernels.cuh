@@ -1,0 +1,81 @@
+// The kernels: each runs one op (loss_ops.cuh) over the tiles of its problem,
+// one tile per block (elementwise.cuh).
+#pragma once
+
+#include "exact_sum.cuh"
+#include "launch.h"
+#include "loss_ops.cuh"
+
+namespace fusedloss {
+
+// One block per tile; each adds its tile's sum into copy blockIdx.x % copies of
+// the exact sum, the copies that scratch_bytes(gridDim.x) holds. Derived from
+// gridDim rather than passed in: a parameter kept for the end of the kernel
+// costs registers in the loop.
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
+  using Sum = ExactSum<typename Op::T>;
+  static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
+  op.sum = 0.0;
+  visit_tile(op, n);
+  const double total = block_sum(op.sum);
+  if (threadIdx.x == 0) {
+    const unsigned copies = scratch_copies<typename Op::T>(gridDim.x);
+    Sum::add(sum + (blockIdx.x & (copies - 1)) * Sum::kCopyWords, total);
+  }
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
+  visit_tile(op, n);
+}
+
+// Notes in `history` (host memory, when set) whether grad_output != 1, and
+// walks the tiles from the last: the forward just read those, so the first
+// ones this walk reads are still in L2.
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
+                                                                                            int32_t* history) {
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
+  visit_tile(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+}
+
+template <typename T, typename Out>
+__global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(const Word* sum, int copies,
+                                                                            int64_t numel, bool mean, Out* out) {
+  __shared__ Word words[kMaxScratchWords];
+  if (threadIdx.x < copies * ExactSum<T>::kCopyWords) words[threadIdx.x] = sum[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double total = ExactSum<T>::total(words, copies);
+    // An empty mean is 0 / 0 = NaN, as in PyTorch.
+    *out = Convert<Out>::from(mean ? total / double(numel) : total);
+  }
+}
+
+__device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return *static_cast<const float*>(p);
+    case DType::kFloat16: return __half2float(*static_cast<const __half*>(p));
+    case DType::kBFloat16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+    default: return *static_cast<const double*>(p);
+  }
+}
+
+// One wave of blocks, each walking every gridDim.x-th tile: when scale == 1
+// (the common loss.backward()) the whole launch is one wave that exits at
+// once, not one block per tile. Notes in `history` (when set) whether scale != 1.
+template <typename S>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t tiles,
+                                                                                     const void* scale,
+                                                                                     DType scale_dtype,
+                                                                                     int32_t* history) {
+  const double s = load_as_double(scale, scale_dtype);
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = s != 1.0;
+  if (s == 1.0) return;
+  ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
+#pragma unroll 1
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) visit_tile(op, n, tile);
+}
+
+}  // namespace fusedloss

@@ -1,0 +1,267 @@
+// What each kernel does with one chunk of elements: the ops that
+// elementwise.cuh's tile walk drives. An op loads its operands for a chunk
+// (`load`) and then computes and stores (`apply`); the losses themselves come
+// from losses.cuh, the conversions from dtypes.cuh.
+#pragma once
+
+#include <type_traits>
+
+#include "dtypes.cuh"
+#include "elementwise.cuh"
+#include "losses.cuh"
+
+namespace fusedloss {
+
+// Which gradients a kernel writes, fixed at compile time: a kernel that might
+// write the target's gradient needs registers for it, and the common cases
+// (none, or the input's) then fit 32 registers (8 blocks per SM) without
+// spilling. With kInputAndTarget the input's pointer may still be null.
+enum class Grads { kNone, kInput, kInputAndTarget };
+
+template <Grads kGrads, typename In, typename Tgt>
+struct GradPointers {
+  In* __restrict__ grad_input;
+  Tgt* __restrict__ grad_target;
+  __device__ __forceinline__ bool writes_input() const {
+    return kGrads == Grads::kInput || (kGrads == Grads::kInputAndTarget && grad_input != nullptr);
+  }
+  static constexpr bool kWritesTarget = kGrads == Grads::kInputAndTarget;
+};
+
+// The vector width covers 16 bytes of the narrower operand; one chunk per
+// thread and tile unless an op says otherwise.
+template <class Loss, typename In, typename Tgt>
+struct PairOp {
+  using T = opmath_t<In, Tgt>;
+  using InT = In;
+  using TgtT = Tgt;
+  using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
+  static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
+  static constexpr int kChunksPerThread = 1;
+  static constexpr int kChunksInFlight = 1;
+
+  template <int W>
+  struct Chunk {
+    alignas(16) In input[W];
+    alignas(16) Tgt target[W];
+    alignas(16) Out grad_output[W];  // used by the pointwise backward only
+  };
+
+  const In* __restrict__ input;
+  const Tgt* __restrict__ target;
+  LossParam<T> param;              // in the loss's dtype
+  LossParam<T> input_grad_param;   // in the dtype d loss / d input is computed in
+  LossParam<T> target_grad_param;  // in the dtype d loss / d target is computed in
+
+  // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
+  using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype, In, Out>;
+  using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype, Tgt, Out>;
+
+  // v as PyTorch's kernels see it when they compute in dtype D (Huber's forward
+  // narrows the target to the input's dtype; an fp16 gradient sees 1e30 as inf).
+  template <typename D, typename V>
+  __device__ __forceinline__ static T in_dtype(const V& v) {
+    if constexpr (std::is_same_v<V, D> || sizeof(V) < sizeof(D)) {
+      return to_opmath(v);
+    } else {
+      return to_opmath(Convert<D>::from(to_opmath(v)));
+    }
+  }
+  // input - target computed in dtype D, held as PyTorch's fp16 kernels hold it.
+  template <typename D>
+  __device__ __forceinline__ static T diff_in(const In& x, const Tgt& y) {
+    return fp16_intermediate<D>(in_dtype<D>(x) - in_dtype<D>(y));
+  }
+  __device__ __forceinline__ T value(const In& x, const Tgt& y) const {
+    return Loss::template value<Out>(diff_in<Out>(x, y), param);
+  }
+  __device__ __forceinline__ T input_grad(const In& x, const Tgt& y) const {
+    return Loss::grad(diff_in<InputGradDtype>(x, y), input_grad_param);
+  }
+  __device__ __forceinline__ T target_grad(const In& x, const Tgt& y) const {
+    if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
+      return -input_grad(x, y);  // the same computation: let the compiler share it
+    } else {
+      return -Loss::grad(diff_in<TargetGradDtype>(x, y), target_grad_param);
+    }
+  }
+  // The gradients times `factor`, each rounded once into its storage dtype.
+  __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor) const {
+    return Convert<In>::from(input_grad(x, y) * factor);
+  }
+  __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor) const {
+    return Convert<Tgt>::from(target_grad(x, y) * factor);
+  }
+  template <int W>
+  __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
+    load_chunk(c.input, input, first);
+    load_chunk(c.target, target, first);
+  }
+};
+
+// Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
+// A thread takes two chunks per tile where they fit 64 bytes: a read-only
+// pass's blocks retire so fast that per-block work would otherwise show. A pass that
+// writes gradients loads them one after the other (both at once spill at 32
+// registers), but its tiles and sums are the same, so the loss has the same
+// bits whichever gradients are written.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+  static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
+
+  T grad_scale;
+  double sum;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  // One rounding from the fp32 product into each gradient's storage dtype; one
+  // loop, so no value outlives its element (register pressure).
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) {
+    T chunk_sum = 0;
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      chunk_sum += this->value(c.input[k], c.target[k]);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
+      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
+    }
+    sum += double(chunk_sum);
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+  }
+};
+
+template <class Loss, typename In, typename Tgt>
+struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  Out* __restrict__ out;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    alignas(16) Out values[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      values[k] = Convert<Out>::from(this->value(c.input[k], c.target[k]));
+    }
+    store_chunk(out, first, values);
+  }
+};
+
+// The gradients of reduction='none' that kGrads names.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  const Out* __restrict__ grad_output;
+  bool grad_output_is_scalar;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
+    this->load_pair(c, first);
+    if (!grad_output_is_scalar) load_chunk(c.grad_output, grad_output, first);
+  }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
+      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
+    }
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+  }
+};
+
+// v times factor, rounded once into v's dtype: how backward scales a fused gradient.
+template <typename S, typename T>
+__device__ __forceinline__ S rounded_product(S v, T factor) {
+  return Convert<S>::from(to_opmath(v) * factor);
+}
+
+// The gradients of a mean or sum for a one-element grad_output, recomputed from
+// input and target: the fused forward's gradients (times grad_scale, rounded)
+// times grad_output, rounded again, as scaling those in place does. Either way
+// gives the same bits.
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
+  using Base = PairOp<Loss, In, Tgt>;
+  using typename Base::T;
+  using typename Base::Out;
+  template <int W>
+  using Chunk = typename Base::template Chunk<W>;
+
+  T grad_scale;
+  const Out* __restrict__ grad_output;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    const T go = to_opmath(*grad_output);
+    alignas(16) In gi[W];
+    alignas(16) Tgt gt[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      if (this->writes_input()) {
+        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
+      }
+      if constexpr (this->kWritesTarget) {
+        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
+      }
+    }
+    if (this->writes_input()) store_chunk(this->grad_input, first, gi);
+    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+  }
+};
+
+template <typename S>
+struct ScaleOp {
+  using T = opmath_t<S, S>;
+  static constexpr int kVec = 16 / sizeof(S);
+  static constexpr int kChunksPerThread = 1;
+  static constexpr int kChunksInFlight = 1;
+  template <int W>
+  struct Chunk {
+    alignas(16) S data[W];
+  };
+
+  S* __restrict__ data;
+  T scale;
+
+  template <int W>
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { load_chunk(c.data, data, first); }
+  template <int W>
+  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
+    alignas(16) S scaled[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) scaled[k] = rounded_product(c.data[k], scale);
+    store_chunk(data, first, scaled);
+  }
+};
+
+}  // namespace fusedloss

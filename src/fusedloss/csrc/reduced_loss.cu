@@ -1,0 +1,48 @@
+// launch_reduced_loss: a mean or sum in one pass (reduction_pass.cuh), then
+// one short launch that rounds the exact sum. This file holds the read-only
+// pass; the gradient-writing ones are in reduced_loss_*_gradient*.cu.
+#include "reduction_pass.cuh"
+
+namespace fusedloss {
+
+extern template cudaError_t launch_reduction_pass<Grads::kInput>(const LossProblem&, Word*, void*, void*, bool,
+                                                                 cudaStream_t);
+extern template cudaError_t launch_reduction_pass<Grads::kInputAndTarget>(const LossProblem&, Word*, void*, void*,
+                                                                          bool, cudaStream_t);
+
+int64_t reduced_loss_scratch_bytes(const LossProblem& p) {
+  int64_t bytes = 0;
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    bytes = scratch_bytes(num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel));
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_input, void* grad_target,
+                                bool mean, void* out, cudaStream_t stream) {
+  Word* sum = static_cast<Word*>(scratch);
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    // The tiles, and so the scratch, are the same whichever gradients are written.
+    using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
+    using T = typename Op::T;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles > (int64_t(1) << kMaxTilesLog2)) return cudaErrorInvalidValue;  // the digits could overflow
+    cudaError_t err = cudaMemsetAsync(sum, 0, scratch_bytes(tiles), stream);
+    if (err != cudaSuccess) return err;
+    if (grad_target != nullptr) {
+      err = launch_reduction_pass<Grads::kInputAndTarget>(p, sum, grad_input, grad_target, mean, stream);
+    } else if (grad_input != nullptr) {
+      err = launch_reduction_pass<Grads::kInput>(p, sum, grad_input, grad_target, mean, stream);
+    } else {
+      err = launch_reduction_pass<Grads::kNone>(p, sum, grad_input, grad_target, mean, stream);
+    }
+    if (err != cudaSuccess) return err;
+    using Out = typename Op::Out;
+    finish_reduction_kernel<T, Out><<<1, kMaxScratchWords, 0, stream>>>(sum, scratch_copies<T>(tiles), p.numel, mean,
+                                                                         static_cast<Out*>(out));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fusedloss

@@ -1,0 +1,8 @@
+// The reduction pass that also writes d loss / d input (reduction_pass.cuh).
+#include "reduction_pass.cuh"
+
+namespace fusedloss {
+
+template cudaError_t launch_reduction_pass<Grads::kInput>(const LossProblem&, Word*, void*, void*, bool, cudaStream_t);
+
+}  // namespace fusedloss

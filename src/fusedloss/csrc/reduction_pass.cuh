@@ -1,0 +1,35 @@
+// The reduction's one pass over the operands, for each Grads: the read-only
+// pass and the two gradient-writing ones are instantiated in their own
+// translation units (reduced_loss*.cu), so that they compile in parallel.
+#pragma once
+
+#include "dispatch.cuh"
+#include "kernels.cuh"
+
+namespace fusedloss {
+
+// Launches the pass that sums the loss of `p` into `sum` (zeroed scratch of
+// scratch_bytes(tiles)) and writes the gradients kGrads names.
+template <Grads kGrads>
+cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
+                                  cudaStream_t stream);
+
+template <Grads kGrads>
+cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
+                                  cudaStream_t stream) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = ReducedLossOp<decltype(loss), In, Tgt, kGrads>;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles == 0) return cudaSuccess;
+    Op op = make_op<Op>(p);
+    op.grad_input = static_cast<In*>(grad_input);
+    op.grad_target = static_cast<Tgt*>(grad_target);
+    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
+    reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fusedloss
