@@ -1,4 +1,4 @@
-"""fusedloss.kernelbench: the generated ModelNew files, the static checker and the evaluator.
+"""kernelbench/ (beside the library): the generated ModelNew files, the static checker and the evaluator.
 
 The evaluator's correctness and anti-gaming logic runs here on the CPU at a
 small size, against plain-torch ModelNew files that game the benchmark
@@ -17,12 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedloss import build, kernelbench
-from fusedloss.kernelbench import PROBLEMS, evaluate, static_check
+from kernelbench import evaluate as kernelbench
+from kernelbench import export as exporter
+from kernelbench.__main__ import main as kernelbench_main
+from kernelbench.evaluate import evaluate, static_check
+from kernelbench.export import PROBLEMS
+
+
 
 REPO = Path(__file__).resolve().parents[1]
-GENERATED = REPO / "kernelbench"
-REFERENCE = GENERATED / "reference"
+GENERATED = REPO / "kernelbench" / "generated"
+REFERENCE = REPO / "kernelbench" / "reference"
 BROKEN = Path(__file__).resolve().parent / "kernelbench_broken"
 NAMES = [problem.name for problem in PROBLEMS]
 SMALL = (256, 512)
@@ -39,15 +44,15 @@ def evaluate_small(ref: Path, new: Path, inputs: str = "rand") -> kernelbench.Ev
 
 @pytest.mark.parametrize("name", NAMES)
 def test_checked_in_file_is_a_fresh_export(tmp_path: Path, name: str) -> None:
-    kernelbench.export(tmp_path)
+    exporter.export(tmp_path)
     fresh = (tmp_path / f"{name}.py").read_text()
     checked_in = (GENERATED / f"{name}.py").read_text()
-    assert checked_in == fresh, f"kernelbench/{name}.py is stale: run `python -m fusedloss kernelbench export kernelbench`"
+    assert checked_in == fresh, f"kernelbench/generated/{name}.py is stale: run `python -m kernelbench export kernelbench/generated`"
 
 
 def test_export_is_deterministic(tmp_path: Path) -> None:
-    first = [path.read_text() for path in kernelbench.export(tmp_path / "a")]
-    second = [path.read_text() for path in kernelbench.export(tmp_path / "b")]
+    first = [path.read_text() for path in exporter.export(tmp_path / "a")]
+    second = [path.read_text() for path in exporter.export(tmp_path / "b")]
     assert first == second
 
 
@@ -59,38 +64,65 @@ def test_generated_file_passes_static_check(name: str) -> None:
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=NAMES)
-def test_generated_file_embeds_the_sources_and_keeps_the_problem(problem: kernelbench.Problem) -> None:
+def test_generated_file_embeds_the_sources_and_keeps_the_problem(problem: exporter.Problem) -> None:
     generated = kernelbench.load_module(GENERATED / f"{problem.name}.py")
     reference = kernelbench.load_module(REFERENCE / f"{problem.name}.py")
-    assert generated.CPP_SOURCE == build.read_source("fusedloss_ops.cpp")
-    assert generated.CUDA_SOURCE == build.read_source("loss_kernels.cu")
-    assert generated.OP_SCHEMAS == kernelbench.op_schemas()
+    assert generated.CPP_SOURCE == exporter.read_source("fusedloss_ops.cpp")
+    assert generated.CUDA_SOURCE == exporter.cuda_source()
+    assert generated.OP_SCHEMAS == exporter.op_schemas()
+    assert generated.NAMESPACE == exporter.NAMESPACE != "fusedloss"
     assert set(generated.OP_SCHEMAS) == {"pointwise_loss", "pointwise_loss_backward", "reduced_loss",
                                          "reduced_loss_backward", "scale_", "grad_output_history"}
     assert f'"{problem.loss}", {problem.param!r}, "mean"' in (GENERATED / f"{problem.name}.py").read_text()
     for name in ("batch_size", "input_shape", "dim"):
         assert getattr(generated, name) == getattr(reference, name)
     assert generated.get_init_inputs() == reference.get_init_inputs() == []
-    assert kernelbench.PROBLEM_INPUTS in (REFERENCE / f"{problem.name}.py").read_text()
+    assert exporter.PROBLEM_INPUTS in (REFERENCE / f"{problem.name}.py").read_text()
+
+
+_IMPORT_MODEL_NEW = """
+import importlib.util
+for index, name in enumerate({names!r}):
+    spec = importlib.util.spec_from_file_location(f"model_new_{{index}}", {generated!r} + f"/{{name}}.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+"""
+
+
+def _python(script: str, with_fusedloss: bool) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    if with_fusedloss:
+        env["PYTHONPATH"] = str(REPO / "src")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd="/", timeout=300)
 
 
 def test_generated_files_define_the_schemas_without_fusedloss() -> None:
     # A fresh interpreter with only torch, as under KernelBench: importing both
     # files must define the operators once and import nothing of fusedloss.
-    script = textwrap.dedent(
+    script = _IMPORT_MODEL_NEW.format(names=NAMES, generated=str(GENERATED)) + textwrap.dedent(
         f"""
-        import importlib.util, sys, torch
-        for index, name in enumerate({NAMES!r}):
-            spec = importlib.util.spec_from_file_location(f"model_new_{{index}}", {str(GENERATED)!r} + f"/{{name}}.py")
-            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        import sys, torch
         assert not any(module.startswith("fusedloss") for module in sys.modules), "imported fusedloss"
-        print(torch.ops.fusedloss.reduced_loss.default._schema)
+        print(torch.ops.{exporter.NAMESPACE}.reduced_loss.default._schema)
         """
     )
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd="/")
+    done = _python(script, with_fusedloss=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "fusedloss::reduced_loss" + kernelbench.op_schemas()["reduced_loss"]
+    assert done.stdout.strip() == f"{exporter.NAMESPACE}::reduced_loss" + exporter.op_schemas()["reduced_loss"]
+
+
+@pytest.mark.parametrize("fusedloss_first", [True, False])
+def test_generated_files_and_fusedloss_import_in_either_order(fusedloss_first: bool) -> None:
+    model_new = _IMPORT_MODEL_NEW.format(names=NAMES, generated=str(GENERATED))
+    package = "import torch, fusedloss\nfusedloss.mse_loss(torch.ones(3), torch.zeros(3))\n"
+    check = textwrap.dedent(
+        f"""
+        import torch
+        print(torch.ops.fusedloss.reduced_loss.default._schema.name, torch.ops.{exporter.NAMESPACE}.reduced_loss.default._schema.name)
+        """
+    )
+    done = _python((package + model_new if fusedloss_first else model_new + package) + check, with_fusedloss=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fusedloss::reduced_loss", f"{exporter.NAMESPACE}::reduced_loss"]
 
 
 # ---- the static checker ----------------------------------------------------------------
@@ -268,14 +300,14 @@ def test_verdict_and_table() -> None:
 
 
 def test_main_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert kernelbench.main(["export", str(tmp_path / "out")]) == 0
+    assert kernelbench_main(["export", str(tmp_path / "out")]) == 0
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [f"{name}.py" for name in NAMES]
     assert str(tmp_path / "out" / "94_MSELoss.py") in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_main_eval_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    status = kernelbench.main(["eval", str(REFERENCE / "94_MSELoss.py"), str(GENERATED / "94_MSELoss.py")])
+    status = kernelbench_main(["eval", str(REFERENCE / "94_MSELoss.py"), str(GENERATED / "94_MSELoss.py")])
     assert status == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
