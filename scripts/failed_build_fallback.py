@@ -29,7 +29,7 @@ with warnings.catch_warnings(record=True) as caught:
 done = time.perf_counter()
 message = next(str(w.message) for w in caught if issubclass(w.category, build.FallbackWarning))
 print(f"kernels used: {{used}}; fallback {{done - imported:.2f}} s after import ({{done - start:.2f}} s with it)")
-print("  " + message.splitlines()[1].strip())
+print("  " + next((line for line in message.splitlines() if "error" in line), message.splitlines()[1]).strip())
 """
 
 

@@ -49,10 +49,13 @@ def test_the_tables_of_losses_agree_across_the_language_boundary():
 def test_build_root_honours_torch_extensions_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert build.build_root() == tmp_path
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    from torch.utils.cpp_extension import get_default_build_root
-
-    assert build.build_root() == Path(get_default_build_root())
+    # torch's default otherwise, found in a fresh process that has not imported cpp_extension
+    code = ("from fusedloss import build; import torch.utils.cpp_extension as c; "
+            "print(build.build_root() == build.Path(c.get_default_build_root()))")
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_EXTENSIONS_DIR"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(env, PYTHONPATH=str(SRC)), timeout=120)
+    assert done.stdout.strip() == "True", done.stderr
 
 
 # ---- architectures: a build made without a GPU is the one a GPU process loads ----------
@@ -67,6 +70,8 @@ def test_arch_list_from_argument_environment_or_devices(monkeypatch):
     assert build.arch_list("9.0;8.0 8.0") == ["8.0", "9.0"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6+PTX;9.0")
     assert build.arch_list() == ["8.6+PTX", "9.0"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert build.arch_list() == ["9.0a"] and build.gencode_flags(["9.0a"]) == ["-gencode=arch=compute_90a,code=sm_90a"]
     assert build.arch_list("9.0") == ["9.0"]  # the argument wins
     with pytest.raises(ValueError, match="not a compute capability"):
         build.arch_list("sm_90")

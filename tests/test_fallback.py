@@ -222,3 +222,11 @@ def test_on_a_gpu_without_nvcc(tmp_path, required):
     else:
         assert result.returncode == 0, result.stderr
         assert result.stdout.split() == ["[True,", "True,", "True]", "1"]
+
+
+def test_an_architecture_variant_counts_as_its_base(simulated_gpu, tmp_path):
+    # nvcc --list-gpu-arch names compute_90, not compute_90a.
+    toolkit = build.Toolkit(tmp_path / "cuda", "system")
+    build._check_build_tools(toolkit, ["9.0a", "9.0+PTX"])
+    with pytest.raises(build.KernelsUnavailableError, match="compute capability 10.0a"):
+        build._check_build_tools(toolkit, ["10.0a"])

@@ -192,3 +192,28 @@ def test_loss_dtype_rule_matches_torch(dtype):
 
 def test_package_exports():
     assert fusedloss.__all__ == ["huber_loss", "l1_loss", "mse_loss", "nn", "smooth_l1_loss"]
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("mse", 0.0, "bogus"), "reduction must be 'mean' or 'sum', got 'bogus'"),
+        (("smooth_l1", -1.5, "mean"), "smooth_l1 needs beta > 0, got -1.5"),
+        (("nope", 0.0, "mean"), "unknown loss 'nope'"),
+    ],
+)
+def test_cuda_kernels_reject_invalid_arguments_with_an_error(args, message):
+    # The messages format numbers and strings in the extension's own code: a
+    # second copy of the C++ library there once crashed the process instead.
+    x = torch.randn(4, device="cuda")
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(")):
+        torch.ops.fusedloss.reduced_loss(x, x, *args, [False, False])
+
+
+@requires_cuda
+def test_cuda_kernels_reject_shapes_that_do_not_broadcast():
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(3\) must match the size of tensor b \(4\) at "
+                                           "non-singleton dimension 1"):
+        torch.ops.fusedloss.pointwise_loss(torch.randn(2, 3, device="cuda"), torch.randn(2, 4, device="cuda"),
+                                           "mse", 0.0)

@@ -264,15 +264,18 @@ at::Tensor as_kernel_operand(const at::Tensor& t, at::ScalarType common, at::Int
   return as_kernel_layout(out);
 }
 
-// The shape that input and target broadcast to (PyTorch's checks ran before).
+// The shape that input and target broadcast to, or PyTorch's error when they don't.
 std::vector<int64_t> broadcast_shape(at::IntArrayRef a, at::IntArrayRef b) {
-  const size_t rank = std::max(a.size(), b.size());
-  std::vector<int64_t> shape(rank);
-  for (size_t i = 0; i < rank; ++i) {
-    const int64_t x = i < rank - a.size() ? 1 : a[i - (rank - a.size())];
-    const int64_t y = i < rank - b.size() ? 1 : b[i - (rank - b.size())];
-    TORCH_CHECK(x == y || x == 1 || y == 1, "fusedloss: shapes ", a, " and ", b, " do not broadcast");
-    shape[i] = x == 1 ? y : x;
+  const int64_t rank = static_cast<int64_t>(std::max(a.size(), b.size()));
+  const int64_t skip_a = rank - static_cast<int64_t>(a.size());
+  const int64_t skip_b = rank - static_cast<int64_t>(b.size());
+  std::vector<int64_t> shape(static_cast<size_t>(rank));
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t size_a = i < skip_a ? 1 : a[i - skip_a];
+    const int64_t size_b = i < skip_b ? 1 : b[i - skip_b];
+    TORCH_CHECK(size_a == size_b || size_a == 1 || size_b == 1, "The size of tensor a (", size_a,
+                ") must match the size of tensor b (", size_b, ") at non-singleton dimension ", i);
+    shape[i] = size_a == 1 ? size_b : size_a;
   }
   return shape;
 }
@@ -908,11 +911,11 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     for (int k = 0; k < W; ++k) {
       chunk_sum += this->value(c.input[k], c.target[k]);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
-      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
-    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -966,10 +969,10 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
-      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
-    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -1007,12 +1010,12 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
       if (this->writes_input()) {
         gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
       }
-      if constexpr (this->kWritesTarget) {
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
         gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
       }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
-    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -1304,21 +1307,18 @@ __host__ __device__ constexpr int scratch_copies(int64_t tiles) {
 
 namespace fusedloss {
 
-// One block per tile; each adds its tile's sum into copy blockIdx.x % copies of
-// the exact sum, the copies that scratch_bytes(gridDim.x) holds. Derived from
-// gridDim rather than passed in: a parameter kept for the end of the kernel
-// costs registers in the loop.
-template <class Op>
+// One block per tile; each adds its tile's sum into copy blockIdx.x % kCopies
+// of the exact sum. kCopies is a template parameter: read at run time, it
+// costs the read-only fp32 MSE and L1 kernels a register spill and some of
+// their bandwidth (docs/design.md).
+template <int kCopies, class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
   using Sum = ExactSum<typename Op::T>;
   static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) {
-    const unsigned copies = scratch_copies<typename Op::T>(gridDim.x);
-    Sum::add(sum + (blockIdx.x & (copies - 1)) * Sum::kCopyWords, total);
-  }
+  if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
 }
 
 template <class Op>
@@ -1441,8 +1441,12 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
     Op op = make_op<Op>(p);
     op.grad_input = static_cast<In*>(grad_input);
     op.grad_target = static_cast<Tgt*>(grad_target);
-    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
-    reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+    using T = typename Op::T;
+    op.grad_scale = static_cast<T>(mean ? 1.0 / double(p.numel) : 1.0);
+    constexpr int kSmall = scratch_copies<T>(0);
+    constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
+    const auto kernel = scratch_copies<T>(tiles) == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
+    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
     return cudaGetLastError();
   });
 }

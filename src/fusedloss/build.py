@@ -198,6 +198,26 @@ def _link_flags(toolkit: Toolkit, directory: Path) -> list[str]:
     return [f"-L{link_dir}", f"-Wl,-rpath,{toolkit.runtime_dir}"]
 
 
+def _libstdcxx_flags() -> list[str]:
+    """Link the C++ library this process runs with, where the compiler would link it statically.
+
+    A host compiler without the shared libstdc++.so (a runtime-only image)
+    links the static library into the extension. Two copies of the C++ library
+    in one process disagree on locale facets: formatting a number into an
+    error message then crashes. So name the loaded one explicitly.
+    """
+    host = os.environ.get("CXX") or "c++"
+    try:
+        found = subprocess.run([host, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    if os.path.isabs(found.strip()):
+        return []
+    with open("/proc/self/maps") as maps:
+        loaded = next((line.split()[-1] for line in maps if "/libstdc++.so" in line), None)
+    return [f"-L{os.path.dirname(loaded)}", f"-l:{os.path.basename(loaded)}"] if loaded else []
+
+
 # ---- architectures and the build's name -----------------------------------------------
 
 
@@ -246,7 +266,9 @@ def build_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:
         # As torch.utils.cpp_extension.get_default_build_root, without importing that module.
-        root = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        from torch import _appdirs
+
+        root = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
     return Path(root)
 
 
@@ -274,7 +296,8 @@ def _check_build_tools(toolkit: Toolkit, archs: Sequence[str]) -> None:
         return  # an old nvcc without the flag: the build itself will tell
     supported = set(listed.stdout.split())
     for arch in archs:
-        number = arch.removesuffix("+PTX").replace(".", "")
+        # nvcc lists the base architectures: 9.0a (sm_90a) is there when compute_90 is.
+        number = re.sub(r"[a-z]$", "", arch.removesuffix("+PTX").replace(".", ""))
         if f"compute_{number}" not in supported:
             raise KernelsUnavailableError(
                 f"compute capability {arch.removesuffix('+PTX')} is not one {toolkit.nvcc} can compile for "
@@ -298,7 +321,7 @@ def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str])
             sources=[str(CSRC / source) for source in SOURCES],
             extra_cflags=_COMMON_FLAGS,
             extra_cuda_cflags=_COMMON_FLAGS + gencode_flags(archs),
-            extra_ldflags=_link_flags(toolkit, directory),
+            extra_ldflags=_link_flags(toolkit, directory) + _libstdcxx_flags(),
             extra_include_paths=[str(CSRC), *map(str, toolkit.include_dirs)],
             build_directory=str(directory),
             is_python_module=False,

@@ -6,7 +6,7 @@ backward hands that buffer on. With ``(w * loss).backward()`` or AMP's
 ``GradScaler`` (grad_output != 1) the buffer must then be scaled, a second
 read and write. Computing the gradient in backward instead, from input and
 target, after a forward that only reads, moves as many bytes with fewer
-writes, and is 6-11% faster at 2^30 elements (``benchmarks/backward_probe.py``).
+writes, and is faster (docs/design.md, "Gradient placement").
 Both ways give the same bits.
 
 Only the GPU knows grad_output, and asking it would be a host sync. So the

@@ -77,15 +77,18 @@ at::Tensor as_kernel_operand(const at::Tensor& t, at::ScalarType common, at::Int
   return as_kernel_layout(out);
 }
 
-// The shape that input and target broadcast to (PyTorch's checks ran before).
+// The shape that input and target broadcast to, or PyTorch's error when they don't.
 std::vector<int64_t> broadcast_shape(at::IntArrayRef a, at::IntArrayRef b) {
-  const size_t rank = std::max(a.size(), b.size());
-  std::vector<int64_t> shape(rank);
-  for (size_t i = 0; i < rank; ++i) {
-    const int64_t x = i < rank - a.size() ? 1 : a[i - (rank - a.size())];
-    const int64_t y = i < rank - b.size() ? 1 : b[i - (rank - b.size())];
-    TORCH_CHECK(x == y || x == 1 || y == 1, "fusedloss: shapes ", a, " and ", b, " do not broadcast");
-    shape[i] = x == 1 ? y : x;
+  const int64_t rank = static_cast<int64_t>(std::max(a.size(), b.size()));
+  const int64_t skip_a = rank - static_cast<int64_t>(a.size());
+  const int64_t skip_b = rank - static_cast<int64_t>(b.size());
+  std::vector<int64_t> shape(static_cast<size_t>(rank));
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t size_a = i < skip_a ? 1 : a[i - skip_a];
+    const int64_t size_b = i < skip_b ? 1 : b[i - skip_b];
+    TORCH_CHECK(size_a == size_b || size_a == 1 || size_b == 1, "The size of tensor a (", size_a,
+                ") must match the size of tensor b (", size_b, ") at non-singleton dimension ", i);
+    shape[i] = size_a == 1 ? size_b : size_a;
   }
   return shape;
 }

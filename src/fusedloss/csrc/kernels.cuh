@@ -8,21 +8,18 @@
 
 namespace fusedloss {
 
-// One block per tile; each adds its tile's sum into copy blockIdx.x % copies of
-// the exact sum, the copies that scratch_bytes(gridDim.x) holds. Derived from
-// gridDim rather than passed in: a parameter kept for the end of the kernel
-// costs registers in the loop.
-template <class Op>
+// One block per tile; each adds its tile's sum into copy blockIdx.x % kCopies
+// of the exact sum. kCopies is a template parameter: read at run time, it
+// costs the read-only fp32 MSE and L1 kernels a register spill and some of
+// their bandwidth (docs/design.md).
+template <int kCopies, class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
   using Sum = ExactSum<typename Op::T>;
   static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) {
-    const unsigned copies = scratch_copies<typename Op::T>(gridDim.x);
-    Sum::add(sum + (blockIdx.x & (copies - 1)) * Sum::kCopyWords, total);
-  }
+  if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
 }
 
 template <class Op>

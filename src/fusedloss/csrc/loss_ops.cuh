@@ -131,11 +131,11 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     for (int k = 0; k < W; ++k) {
       chunk_sum += this->value(c.input[k], c.target[k]);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
-      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
-    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -189,10 +189,10 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
     for (int k = 0; k < W; ++k) {
       const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
-      if constexpr (this->kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
-    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 
@@ -230,12 +230,12 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
       if (this->writes_input()) {
         gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
       }
-      if constexpr (this->kWritesTarget) {
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
         gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
       }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
-    if constexpr (this->kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
   }
 };
 

@@ -26,8 +26,12 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
     Op op = make_op<Op>(p);
     op.grad_input = static_cast<In*>(grad_input);
     op.grad_target = static_cast<Tgt*>(grad_target);
-    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
-    reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+    using T = typename Op::T;
+    op.grad_scale = static_cast<T>(mean ? 1.0 / double(p.numel) : 1.0);
+    constexpr int kSmall = scratch_copies<T>(0);
+    constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
+    const auto kernel = scratch_copies<T>(tiles) == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
+    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
     return cudaGetLastError();
   });
 }
