@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
@@ -66,8 +68,30 @@ def _kernels_apply(input: Tensor, target: Tensor, weight: Tensor | None) -> bool
         and target.device == input.device
         and input.dtype in _KERNEL_DTYPES
         and target.dtype in _KERNEL_DTYPES
+        and not _under_a_transform(input, target)
         and build.use_kernels()
     )
+
+
+def _under_a_transform(input: Tensor, target: Tensor) -> bool:
+    """torch.func transforms (grad, vmap, jvp, jacrev, ...) and forward-mode AD: the fused
+    operators have no rules for them, so such calls run PyTorch's formula, which has."""
+    if torch.compiler.is_compiling():
+        return False
+    return (
+        forward_ad._current_level >= 0
+        or _functorch.is_functorch_wrapped_tensor(input)
+        or _functorch.is_functorch_wrapped_tensor(target)
+    )
+
+
+_AUTOCAST_TO_FLOAT32 = (torch.float16, torch.bfloat16)
+
+
+def _as_autocast_would(operand: Tensor) -> Tensor:
+    # CUDA autocast runs these losses in float32 (they are on its float32 list): it casts
+    # 16-bit operands, differentiably, so the gradients come back in their dtypes.
+    return operand.float() if operand.dtype in _AUTOCAST_TO_FLOAT32 else operand
 
 
 def _weight_kwargs(weight: Tensor | None) -> dict:
@@ -85,6 +109,8 @@ def _fused_loss(
     reduction: str,
 ) -> Tensor:
     """The steps of torch.nn.functional's losses, in its order, then one fused op."""
+    if torch.is_autocast_enabled("cuda"):
+        input, target = _as_autocast_would(input), _as_autocast_would(target)
     if target.size() != input.size():
         warnings.warn(
             f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
