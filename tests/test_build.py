@@ -122,22 +122,12 @@ def no_system_toolkit(monkeypatch, tmp_path):
 def test_pip_compiler_of_torchs_cuda_major_is_found(no_system_toolkit):
     nvidia = no_system_toolkit
     _fake_executable(nvidia / "cu12" / "bin" / "nvcc")  # another major: not this torch's
+    _fake_executable(nvidia / "cuda_nvcc" / "bin" / "ptxas")  # what CUDA 12's wheels hold
     with pytest.raises(build.KernelsUnavailableError, match="nvcc was not found"):
         build.find_toolkit()
     _fake_executable(nvidia / "cu13" / "bin" / "nvcc")
     toolkit = build.find_toolkit()
     assert toolkit.origin == "pip" and toolkit.home == nvidia / "cu13" and toolkit.runtime_dir == nvidia / "cu13" / "lib"
-
-
-def test_cuda_12_pip_layout(no_system_toolkit, monkeypatch):
-    nvidia = no_system_toolkit
-    monkeypatch.setattr(torch.version, "cuda", "12.4")
-    _fake_executable(nvidia / "cuda_nvcc" / "bin" / "nvcc")
-    (nvidia / "cuda_runtime" / "include").mkdir(parents=True)
-    toolkit = build.find_toolkit()
-    assert toolkit.home == nvidia / "cuda_nvcc"
-    assert toolkit.include_dirs == (nvidia / "cuda_runtime" / "include",)
-    assert toolkit.runtime_dir == nvidia / "cuda_runtime" / "lib"
 
 
 def test_missing_compiler_names_the_exact_pip_command(no_system_toolkit, monkeypatch):
@@ -147,8 +137,9 @@ def test_missing_compiler_names_the_exact_pip_command(no_system_toolkit, monkeyp
     assert build.toolkit_install_command() == (
         'pip install "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-crt==13.0.*" "nvidia-nvvm==13.0.*" '
         '"nvidia-cuda-cccl==13.0.*"')
+    # CUDA 12's pip packages hold ptxas but no nvcc.
     monkeypatch.setattr(torch.version, "cuda", "12.1")
-    assert build.toolkit_install_command() == 'pip install "nvidia-cuda-nvcc-cu12==12.1.*"'
+    assert build.toolkit_install_command() == "the CUDA toolkit 12.1 from NVIDIA, with CUDA_HOME set to its folder"
 
 
 def test_a_system_toolkit_comes_first(no_system_toolkit, monkeypatch, tmp_path):

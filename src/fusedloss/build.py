@@ -12,7 +12,8 @@ different setup.
 
 The compiler is the CUDA toolkit's nvcc (``CUDA_HOME``, ``nvcc`` on the PATH, or
 ``/usr/local/cuda``) or, without one, NVIDIA's pip packages of the compiler
-for torch's CUDA version (``toolkit_install_command()`` names them).
+for torch's CUDA version, from CUDA 13 on (``toolkit_install_command()`` names
+them).
 
 Processes that start together take an ``flock`` on the build directory: one
 builds, the others wait and then load its library. The kernel drops the lock
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -41,7 +41,7 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,9 +78,7 @@ class Toolkit:
 
     home: Path  # what torch.utils.cpp_extension takes as CUDA_HOME: home/bin/nvcc, home/include
     origin: str  # "system" or "pip"
-    include_dirs: tuple[Path, ...] = ()  # beyond home/include
     runtime_dir: Path | None = None  # libcudart.so.<major>, where home/lib has no libcudart.so
-    version: str = field(default="", compare=False)
 
     @property
     def nvcc(self) -> Path:
@@ -100,12 +98,13 @@ def _torch_cuda_major() -> str:
 
 
 def toolkit_install_command() -> str:
-    """The pip command that installs NVIDIA's CUDA compiler matching this torch's CUDA version."""
+    """How to install a CUDA compiler matching this torch's CUDA version: NVIDIA's pip packages
+    from CUDA 13 on; CUDA 12's pip packages hold no nvcc, so the toolkit there."""
     version = torch.version.cuda or "13.0"
     major, minor = version.split(".")[:2]
+    if int(major) < 13:
+        return f"the CUDA toolkit {major}.{minor} from NVIDIA, with CUDA_HOME set to its folder"
     packages = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl")
-    if int(major) < 13:  # CUDA 12's wheels carry the major version in their names; runtime headers come with torch
-        packages = ("nvidia-cuda-nvcc-cu12",)
     return "pip install " + " ".join(f'"{name}=={major}.{minor}.*"' for name in packages)
 
 
@@ -129,25 +128,12 @@ def _pip_package_dirs() -> list[Path]:
 
 
 def _pip_toolkit(major: str) -> Toolkit | None:
-    """NVIDIA's pip-installed compiler for CUDA `major`: nvidia/cu<major>/ from CUDA 13 on,
-    nvidia/cuda_nvcc/ with the runtime in nvidia/cuda_runtime/ before."""
+    """NVIDIA's pip-installed compiler for CUDA `major`: nvcc, headers and runtime in nvidia/cu<major>/."""
     for root in _pip_package_dirs():
-        unified = root / f"cu{major}"
-        if (unified / "bin" / "nvcc").exists():
-            return Toolkit(unified, "pip", runtime_dir=unified / "lib", version=_pip_version("nvidia-cuda-nvcc"))
-        legacy = root / "cuda_nvcc"
-        if major == "12" and (legacy / "bin" / "nvcc").exists():
-            runtime = root / "cuda_runtime"
-            includes = tuple(p for p in (runtime / "include", root / "cuda_cccl" / "include") if p.exists())
-            return Toolkit(legacy, "pip", includes, runtime / "lib", _pip_version("nvidia-cuda-nvcc-cu12"))
+        home = root / f"cu{major}"
+        if (home / "bin" / "nvcc").exists():
+            return Toolkit(home, "pip", runtime_dir=home / "lib")
     return None
-
-
-def _pip_version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 def find_toolkit() -> Toolkit:
@@ -164,7 +150,7 @@ def find_toolkit() -> Toolkit:
         return found
     raise KernelsUnavailableError(
         f"nvcc was not found: no CUDA toolkit (CUDA_HOME, nvcc on the PATH, /usr/local/cuda) and no pip "
-        f"package of NVIDIA's compiler for CUDA {torch.version.cuda}. Install it with: "
+        f"package of NVIDIA's compiler for CUDA {torch.version.cuda}. Install "
         f"{toolkit_install_command()}"
     )
 
@@ -188,7 +174,7 @@ def _link_flags(toolkit: Toolkit, directory: Path) -> list[str]:
         return []
     runtime = sorted(toolkit.runtime_dir.glob("libcudart.so.*"))
     if not runtime:
-        raise KernelsUnavailableError(f"no libcudart.so.* in {toolkit.runtime_dir}: reinstall with "
+        raise KernelsUnavailableError(f"no libcudart.so.* in {toolkit.runtime_dir}: reinstall it with "
                                       f"{toolkit_install_command()}")
     link_dir = directory / "cudart"
     link_dir.mkdir(exist_ok=True)
@@ -322,7 +308,7 @@ def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str])
             extra_cflags=_COMMON_FLAGS,
             extra_cuda_cflags=_COMMON_FLAGS + gencode_flags(archs),
             extra_ldflags=_link_flags(toolkit, directory) + _libstdcxx_flags(),
-            extra_include_paths=[str(CSRC), *map(str, toolkit.include_dirs)],
+            extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
             is_python_module=False,
         )
