@@ -1,7 +1,7 @@
 """Concurrent first use on a GPU: N processes start at once on an empty build cache.
 
 Times one process alone on an empty cache, then N together on another empty
-cache. Each process counts the builds it runs (a wrapper around load_inline),
+cache. Each process counts the builds it runs (a wrapper around cpp_extension.load),
 then checks every loss and its gradient against float64. Passes when exactly
 one build happened and every process got correct results; prints the ratio of
 the N-process wall time to the single one (target <= 1.2).
@@ -22,14 +22,14 @@ from pathlib import Path
 WORKER = r"""
 import os, torch
 import torch.utils.cpp_extension as cpp_extension
-real_load_inline = cpp_extension.load_inline
+real_load = cpp_extension.load
 
-def counting_load_inline(*args, **kwargs):
+def counting_load(*args, **kwargs):
     with open(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "builds.log"), "a") as log:
         log.write(f"{os.getpid()}\n")
-    return real_load_inline(*args, **kwargs)
+    return real_load(*args, **kwargs)
 
-cpp_extension.load_inline = counting_load_inline
+cpp_extension.load = counting_load
 import fusedloss
 from fusedloss import formulas
 
