@@ -173,7 +173,7 @@ def test_functional_falls_back_to_torch(simulated_gpu):
     def fused_op_called(*args):
         raise AssertionError("the fused op ran although the kernels are unavailable")
 
-    simulated_gpu.setattr(functional, "_call_op", fused_op_called)
+    simulated_gpu.setattr(functional, "_fused_loss", fused_op_called)
     mode, x, y = _fake_cuda_operands()
     with warnings.catch_warnings(record=True) as caught, mode:
         warnings.simplefilter("always")

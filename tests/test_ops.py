@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusedloss
-from fusedloss import build, formulas
+from fusedloss import build, formulas, functional
 from fusedloss import ops  # noqa: F401
 
 from conftest import FLOAT_DTYPES, LOSSES, heavy_tailed, loss_kwargs, requires_cuda
@@ -31,18 +31,19 @@ def kernels_loaded(request):
 
 def test_schemas():
     for name in ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_",
-                 "grad_output_history"):
+                 "grad_output_history", "loss_gradients"):
         assert hasattr(torch.ops.fusedloss, name)
     schema = torch.ops.fusedloss.reduced_loss.default._schema
-    assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask"]
+    assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask",
+                                                  "history_slot", "autocast"]
     schema = torch.ops.fusedloss.reduced_loss_backward.default._schema
     assert [a.name for a in schema.arguments] == ["grad_output", "input", "target", "loss", "param", "reduction",
-                                                  "output_mask", "history_slot"]
+                                                  "output_mask", "history_slot", "autocast"]
     assert torch.ops.fusedloss.scale_.default._schema.arguments[0].alias_info.is_write
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("loss", functional.LOSSES)
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.float16, torch.bfloat16), (torch.float32, torch.float64)], ids=str)
 def test_fake_kernels_give_shapes_and_dtypes(device, loss, dtypes):
@@ -70,7 +71,7 @@ def _sample_args(device, loss, dtype=torch.float32, shape=(5, 7)):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("loss", functional.LOSSES)
 def test_opcheck(device, loss):
     input, target, name, param = _sample_args(device, loss)
     broadcast_target = target.detach()[0].requires_grad_()
@@ -92,7 +93,7 @@ def test_opcheck(device, loss):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("loss", functional.LOSSES)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_gradcheck_float64(device, loss, reduction):
     # Keep |input - target| away from the kinks so finite differences are valid.
@@ -148,7 +149,7 @@ def test_a_graph_dropped_without_backward_frees_its_gradient_buffers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", formulas.LOSSES)
+@pytest.mark.parametrize("loss", functional.LOSSES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_backward_without_fused_gradients_gives_their_bits(device, loss, reduction):
     """A forward that wrote no gradient (output_mask all False): backward recomputes it,
@@ -168,8 +169,9 @@ def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkey
     from fusedloss import functional
 
     calls = []
-    real = functional._call_op
-    monkeypatch.setattr(functional, "_call_op", lambda *args: calls.append(args[-1]) or real(*args))
+    real = functional._reduced_loss
+    monkeypatch.setattr(functional, "_reduced_loss", lambda *args: calls.append(args[5]) or real(*args))
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)
     if device == "cpu":
         monkeypatch.setattr(build, "load", lambda: None)
         monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
@@ -180,6 +182,26 @@ def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkey
     assert not LOSSES[name][0](x.detach(), y).requires_grad
     assert LOSSES[name][0](x, y).requires_grad
     assert calls == [[False, False], [False, False], [True, False]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
+    """Below FUSED_GRADIENT_FROM_BYTES a step is bound by host time: no fused gradient,
+    no placement bookkeeping; from there on the forward writes it."""
+    from fusedloss import functional
+
+    calls = []
+    real = functional._reduced_loss
+    monkeypatch.setattr(functional, "_reduced_loss", lambda *args: calls.append((args[5], args[6])) or real(*args))
+    if device == "cpu":
+        monkeypatch.setattr(build, "load", lambda: None)
+        monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
+    x = torch.randn(1000, device=device, requires_grad=True)
+    fusedloss.mse_loss(x, torch.randn(1000, device=device)).backward()
+    assert calls == [([False, False], -1)]
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8)
+    fusedloss.mse_loss(x, torch.randn(1000, device=device)).backward()
+    assert calls[1][0] == [True, False]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

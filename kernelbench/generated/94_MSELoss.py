@@ -18,8 +18,8 @@ NAMESPACE = "fusedloss_kernelbench"
 OP_SCHEMAS = {
     "pointwise_loss": "(Tensor input, Tensor target, str loss, float param) -> Tensor",
     "pointwise_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, bool[2] output_mask) -> (Tensor, Tensor)",
-    "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask) -> (Tensor, Tensor, Tensor)",
-    "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1) -> (Tensor, Tensor)",
+    "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)",
+    "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)",
     "scale_": "(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()",
     "grad_output_history": "() -> Tensor",
 }
@@ -71,6 +71,8 @@ CPP_SOURCE = r"""// CUDA kernels for the fusedloss:: operators, whose schemas, f
   X(Huber, "huber")
 
 #ifdef __CUDACC__
+
+#include <type_traits>
 
 // `value` and `grad` (d loss / d input) follow PyTorch's kernels branch for
 // branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
@@ -139,6 +141,17 @@ struct HuberLoss {
   }
 };
 
+// A loss as CUDA autocast computes it (these losses are on its float32 list):
+// 16-bit operands read as float32, the loss and both gradients in float32,
+// each gradient rounded once into its operand's dtype when stored.
+template <class Loss>
+struct Float32Math : Loss {};
+
+template <class Loss>
+struct IsFloat32Math : std::false_type {};
+template <class Loss>
+struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
+
 }  // namespace fusedloss
 
 #endif  // __CUDACC__
@@ -153,7 +166,10 @@ enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
-// Smooth L1 (> 0) and delta for Huber; unused otherwise.
+// Smooth L1 (> 0) and delta for Huber; unused otherwise. With `autocast`, the
+// loss is computed as CUDA autocast computes it, in float32 from 16-bit
+// operands read as they are (only the reductions take it, and only for the
+// pairs that reads_under_autocast names).
 struct LossProblem {
   LossKind loss;
   double param;
@@ -162,15 +178,27 @@ struct LossProblem {
   const void* target;
   DType target_dtype;
   int64_t numel;
+  bool autocast = false;
 };
+
+// The pairs the reductions read directly under autocast: float16 or bfloat16
+// with itself or with float32. The host converts other 16-bit operands first.
+constexpr bool reads_under_autocast(DType input, DType target) {
+  const bool input_16 = input == DType::kFloat16 || input == DType::kBFloat16;
+  const bool target_16 = target == DType::kFloat16 || target == DType::kBFloat16;
+  return (input_16 && (target == input || target == DType::kFloat32)) ||
+         (target_16 && input == DType::kFloat32);
+}
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
 // below): each tile's partial sum is added exactly into `scratch`
 // (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
 // same bits on every run and needs no memory in proportion to N; and, where
 // the pointers are set, d loss / d input and d loss / d target (times 1/N for
-// a mean) in the same pass.
-int64_t reduced_loss_scratch_bytes(const LossProblem& problem);
+// a mean) in the same pass. A small loss with no gradient to write is one
+// launch that needs no scratch (0 bytes; `scratch` may be null); a middling
+// one two launches whose scratch need not be zeroed.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 
@@ -280,7 +308,20 @@ std::vector<int64_t> broadcast_shape(at::IntArrayRef a, at::IntArrayRef b) {
   return shape;
 }
 
-Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param) {
+bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// The operand as CUDA autocast hands it to these losses: float32 if 16-bit.
+at::Tensor as_autocast_would(const at::Tensor& t) { return is_16bit(t.scalar_type()) ? t.to(at::kFloat) : t; }
+
+// With `autocast`, the loss is the one of the operands as autocast would cast
+// them; the pairs the kernels read directly (reads_under_autocast) are not converted.
+Operands prepare(const at::Tensor& input_as_given, const at::Tensor& target_as_given, c10::string_view loss,
+                 double param, bool autocast = false) {
+  const bool reads_directly = autocast && reads_under_autocast(to_dtype(input_as_given.scalar_type()),
+                                                               to_dtype(target_as_given.scalar_type()));
+  const bool converts = autocast && !reads_directly;
+  const at::Tensor input = converts ? as_autocast_would(input_as_given) : input_as_given;
+  const at::Tensor target = converts ? as_autocast_would(target_as_given) : target_as_given;
   TORCH_CHECK(input.is_cuda() && input.device() == target.device(),
               "fusedloss: input and target must be on the same CUDA device, got ", input.device(),
               " and ", target.device());
@@ -291,9 +332,9 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
   (void)to_dtype(target.scalar_type());
   // PyTorch computes Huber in the input's dtype (the target is converted to it),
   // the other losses in the promoted dtype.
-  const at::ScalarType common = kind == LossKind::kHuber
-                                    ? input.scalar_type()
-                                    : c10::promoteTypes(input.scalar_type(), target.scalar_type());
+  const at::ScalarType common = reads_directly               ? at::kFloat
+                                : kind == LossKind::kHuber ? input.scalar_type()
+                                                           : c10::promoteTypes(input.scalar_type(), target.scalar_type());
 
   Operands ops;
   ops.loss_dtype = common;
@@ -306,7 +347,8 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
                             to_dtype(ops.input.scalar_type()),
                             ops.target.data_ptr(),
                             to_dtype(ops.target.scalar_type()),
-                            ops.input.numel()};
+                            ops.input.numel(),
+                            reads_directly};
   return ops;
 }
 
@@ -317,6 +359,9 @@ at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
 }
 
 void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+// Skips the dispatch of a conversion to the dtype a tensor has: this runs on every call.
+at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
 // One int32 per slot, 1 when the last backward in that slot had grad_output != 1
 // (fusedloss/gradient_placement.py). Host memory that the kernels write and the
@@ -372,43 +417,48 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
   C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar,
                                                 data_or_null(grad_input), data_or_null(grad_target),
                                                 c10::cuda::getCurrentCUDAStream()));
-  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
+// history_slot is autograd's (see reduced_loss_backward); the forward ignores it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
                                                             c10::string_view loss, double param,
                                                             c10::string_view reduction,
-                                                            std::array<bool, 2> output_mask) {
+                                                            std::array<bool, 2> output_mask, int64_t,
+                                                            bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem);
-  at::Tensor scratch = at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte));
-  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr(), data_or_null(grad_input),
+  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem, output_mask[0] || output_mask[1]);
+  const at::Tensor scratch =
+      scratch_bytes > 0 ? at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte)) : at::Tensor();
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.defined() ? scratch.data_ptr() : nullptr,
+                                     data_or_null(grad_input),
                                      data_or_null(grad_target), mean, out.data_ptr(),
                                      c10::cuda::getCurrentCUDAStream()));
-  return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                                          const at::Tensor& target, c10::string_view loss,
                                                          double param, c10::string_view reduction,
-                                                         std::array<bool, 2> output_mask, int64_t history_slot_index) {
+                                                         std::array<bool, 2> output_mask, int64_t history_slot_index,
+                                                         bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
               "fusedloss: reduced_loss_backward takes a one-element grad_output on ", input.device());
-  const at::Tensor go = grad_output.to(ops.loss_dtype).reshape({1}).contiguous();
+  const at::Tensor go = as_dtype(grad_output, ops.loss_dtype);  // one element: its layout does not matter
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
   C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean, data_or_null(grad_input),
                                               data_or_null(grad_target), history_slot(history_slot_index),
                                               c10::cuda::getCurrentCUDAStream()));
-  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
@@ -479,6 +529,8 @@ CUDA_SOURCE = r"""// launch_pointwise_loss: reduction='none' in one pass.
 
 #ifdef __CUDACC__
 
+#include <type_traits>
+
 // `value` and `grad` (d loss / d input) follow PyTorch's kernels branch for
 // branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
 // kGradInOwnDtype: PyTorch's CUDA backward computes each gradient in that
@@ -546,6 +598,17 @@ struct HuberLoss {
   }
 };
 
+// A loss as CUDA autocast computes it (these losses are on its float32 list):
+// 16-bit operands read as float32, the loss and both gradients in float32,
+// each gradient rounded once into its operand's dtype when stored.
+template <class Loss>
+struct Float32Math : Loss {};
+
+template <class Loss>
+struct IsFloat32Math : std::false_type {};
+template <class Loss>
+struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
+
 }  // namespace fusedloss
 
 #endif  // __CUDACC__
@@ -560,7 +623,10 @@ enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
-// Smooth L1 (> 0) and delta for Huber; unused otherwise.
+// Smooth L1 (> 0) and delta for Huber; unused otherwise. With `autocast`, the
+// loss is computed as CUDA autocast computes it, in float32 from 16-bit
+// operands read as they are (only the reductions take it, and only for the
+// pairs that reads_under_autocast names).
 struct LossProblem {
   LossKind loss;
   double param;
@@ -569,15 +635,27 @@ struct LossProblem {
   const void* target;
   DType target_dtype;
   int64_t numel;
+  bool autocast = false;
 };
+
+// The pairs the reductions read directly under autocast: float16 or bfloat16
+// with itself or with float32. The host converts other 16-bit operands first.
+constexpr bool reads_under_autocast(DType input, DType target) {
+  const bool input_16 = input == DType::kFloat16 || input == DType::kBFloat16;
+  const bool target_16 = target == DType::kFloat16 || target == DType::kBFloat16;
+  return (input_16 && (target == input || target == DType::kFloat32)) ||
+         (target_16 && input == DType::kFloat32);
+}
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
 // below): each tile's partial sum is added exactly into `scratch`
 // (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
 // same bits on every run and needs no memory in proportion to N; and, where
 // the pointers are set, d loss / d input and d loss / d target (times 1/N for
-// a mean) in the same pass.
-int64_t reduced_loss_scratch_bytes(const LossProblem& problem);
+// a mean) in the same pass. A small loss with no gradient to write is one
+// launch that needs no scratch (0 bytes; `scratch` may be null); a middling
+// one two launches whose scratch need not be zeroed.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 
@@ -815,7 +893,9 @@ struct PairOp {
   using T = opmath_t<In, Tgt>;
   using InT = In;
   using TgtT = Tgt;
-  using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
+  static constexpr bool kFloat32Math = IsFloat32Math<Loss>::value;
+  using Out = std::conditional_t<kFloat32Math, float,
+                                 std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>>;
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
   static constexpr int kChunksPerThread = 1;
   static constexpr int kChunksInFlight = 1;
@@ -834,8 +914,8 @@ struct PairOp {
   LossParam<T> target_grad_param;  // in the dtype d loss / d target is computed in
 
   // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
-  using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype, In, Out>;
-  using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype, Tgt, Out>;
+  using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
+  using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
 
   // v as PyTorch's kernels see it when they compute in dtype D (Huber's forward
   // narrows the target to the input's dtype; an fp16 gradient sees 1e30 as inf).
@@ -1067,9 +1147,19 @@ void with_loss(LossKind loss, F&& f) {
 #undef FUSEDLOSS_LOSS_CASE
 }
 
+template <typename T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<T, __half>) return DType::kFloat16;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::kBFloat16;
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
+}
+
 // Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
-// taken only paired with fp64; the host code converts the other operand.
-template <class F>
+// taken only paired with fp64; the host code converts the other operand. A
+// problem under autocast is taken only by the launchers that instantiate
+// Float32Math (kWithAutocast), for the pairs reads_under_autocast names.
+template <bool kWithAutocast = false, class F>
 cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   with_dtype(p.input_dtype, [&](auto in) {
@@ -1077,7 +1167,11 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
       using In = decltype(in);
       using Tgt = decltype(tgt);
       if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
-        with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
+        if (!p.autocast) {
+          with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
+        } else if constexpr (kWithAutocast && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
+          with_loss(p.loss, [&](auto loss) { err = f(Float32Math<decltype(loss)>{}, in, tgt); });
+        }
       }
     });
   });
@@ -1088,9 +1182,9 @@ template <Grads kGrads>
 using GradsConstant = std::integral_constant<Grads, kGrads>;
 
 // The same, with a fourth argument: the Grads that writing these gradients takes.
-template <class F>
+template <bool kWithAutocast = false, class F>
 cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool writes_target, F&& f) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types<kWithAutocast>(p, [&](auto loss, auto in, auto tgt) {
     if (writes_target) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
     if (writes_input) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
     return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
@@ -1119,10 +1213,10 @@ Op make_op(const LossProblem& p) {
 // Calls f(op, tiles) with an OpT for the gradients that grad_input and
 // grad_target ask for, its operands and gradient pointers set; nothing to do
 // when none is asked for or the problem is empty.
-template <template <class, typename, typename, Grads> class OpT, class F>
+template <template <class, typename, typename, Grads> class OpT, bool kWithAutocast = false, class F>
 cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_target, F&& f) {
-  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
-                                                                                  auto grads) {
+  return with_problem_types<kWithAutocast>(p, grad_input != nullptr, grad_target != nullptr,
+                                           [&](auto loss, auto in, auto tgt, auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = OpT<decltype(loss), In, Tgt, grads()>;
@@ -1321,6 +1415,69 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kern
   if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
 }
 
+// A reduction with no gradient to write, of up to kBlockwiseMaxTiles tiles,
+// without zeroed scratch: each block walks every gridDim.x-th tile and adds
+// each tile's sum exactly into its own copy of the digits in shared memory.
+// One block finishes at once; more write their copies to `block_sums` for
+// finish_blockwise_reduction_kernel. The sum is exact, so the result has the
+// bits the one-tile-per-block reduction gives.
+constexpr int64_t kBlockwiseMaxTiles = 1024;
+constexpr int64_t kBlockwiseTilesPerBlock = 4;
+
+inline int64_t blockwise_blocks(int64_t tiles) {
+  return (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(Op op, int64_t n, int64_t tiles,
+                                                                                Word* block_sums, bool mean,
+                                                                                typename Op::Out* out) {
+  using Sum = ExactSum<typename Op::T>;
+  __shared__ Word words[Sum::kCopyWords];
+  for (int i = threadIdx.x; i < Sum::kCopyWords; i += kBlockThreads) words[i] = 0;
+  __syncthreads();
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    op.sum = 0.0;
+    visit_tile(op, n, tile);
+    const double total = block_sum(op.sum);
+    if (threadIdx.x == 0) Sum::add(words, total);
+    __syncthreads();  // the next tile's block_sum reuses its shared partials
+  }
+  if (gridDim.x > 1) {
+    for (int i = threadIdx.x; i < Sum::kCopyWords; i += kBlockThreads) {
+      block_sums[blockIdx.x * Sum::kCopyWords + i] = words[i];
+    }
+  } else if (threadIdx.x == 0) {
+    const double total = Sum::total(words, 1);
+    // An empty mean is 0 / 0 = NaN, as in PyTorch.
+    *out = Convert<typename Op::Out>::from(mean ? total / double(n) : total);
+  }
+}
+
+// Folds the blocks' copies word by word (the flags by OR, the digits by
+// addition: the spare bits of each word absorb the sum, as in ExactSum), then
+// rounds.
+template <typename T, typename Out>
+__global__ void __launch_bounds__(kBlockThreads) finish_blockwise_reduction_kernel(const Word* block_sums, int blocks,
+                                                                                    int64_t numel, bool mean,
+                                                                                    Out* out) {
+  constexpr int kWords = ExactSum<T>::kCopyWords;
+  __shared__ Word words[kWords];
+  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) {
+    Word folded = 0;
+    for (int b = 0; b < blocks; ++b) {
+      const Word w = block_sums[b * kWords + i];
+      folded = i == 0 ? (folded | w) : folded + w;
+    }
+    words[i] = folded;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double total = ExactSum<T>::total(words, 1);
+    *out = Convert<Out>::from(mean ? total / double(numel) : total);
+  }
+}
+
 template <class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
   visit_tile(op, n);
@@ -1412,8 +1569,10 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* gra
 
 }  // namespace fusedloss
 // launch_reduced_loss: a mean or sum in one pass (reduction_pass.cuh), then
-// one short launch that rounds the exact sum. This file holds the read-only
-// pass; the gradient-writing ones are in reduced_loss_*_gradient*.cu.
+// one short launch that rounds the exact sum; a small or middling one with no
+// gradient to write blockwise (reduced_loss_blockwise.cu), with no scratch to zero.
+// The passes are instantiated in reduced_loss_*.cu, one translation unit each,
+// so that they compile in parallel.
 // The reduction's one pass over the operands, for each Grads: the read-only
 // pass and the two gradient-writing ones are instantiated in their own
 // translation units (reduced_loss*.cu), so that they compile in parallel.
@@ -1429,10 +1588,17 @@ template <Grads kGrads>
 cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
                                   cudaStream_t stream);
 
+// The whole reduction of a problem of at most kBlockwiseMaxTiles tiles, with
+// no gradient, into `out`, using `block_sums` (blockwise_scratch_bytes; null
+// when that is 0) (reduced_loss_blockwise.cu).
+int64_t blockwise_scratch_bytes(const LossProblem& p);
+cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, bool mean, void* out,
+                                       cudaStream_t stream);
+
 template <Grads kGrads>
 cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
                                   cudaStream_t stream) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt, kGrads>;
@@ -1456,15 +1622,18 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
 
 namespace fusedloss {
 
+extern template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Word*, void*, void*, bool,
+                                                                cudaStream_t);
 extern template cudaError_t launch_reduction_pass<Grads::kInput>(const LossProblem&, Word*, void*, void*, bool,
                                                                  cudaStream_t);
 extern template cudaError_t launch_reduction_pass<Grads::kInputAndTarget>(const LossProblem&, Word*, void*, void*,
                                                                           bool, cudaStream_t);
 
-int64_t reduced_loss_scratch_bytes(const LossProblem& p) {
+int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_gradients) {
   int64_t bytes = 0;
-  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
-    bytes = scratch_bytes(num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel));
+  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    const int64_t tiles = num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
+    bytes = !writes_gradients && tiles <= kBlockwiseMaxTiles ? blockwise_scratch_bytes(p) : scratch_bytes(tiles);
     return cudaSuccess;
   });
   return bytes;
@@ -1473,11 +1642,14 @@ int64_t reduced_loss_scratch_bytes(const LossProblem& p) {
 cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_input, void* grad_target,
                                 bool mean, void* out, cudaStream_t stream) {
   Word* sum = static_cast<Word*>(scratch);
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     // The tiles, and so the scratch, are the same whichever gradients are written.
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using T = typename Op::T;
     const int64_t tiles = num_tiles<Op>(p.numel);
+    if (grad_input == nullptr && grad_target == nullptr && tiles <= kBlockwiseMaxTiles) {
+      return launch_blockwise_reduction(p, scratch, mean, out, stream);
+    }
     if (tiles > (int64_t(1) << kMaxTilesLog2)) return cudaErrorInvalidValue;  // the digits could overflow
     cudaError_t err = cudaMemsetAsync(sum, 0, scratch_bytes(tiles), stream);
     if (err != cudaSuccess) return err;
@@ -1508,7 +1680,7 @@ namespace fusedloss {
 
 cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
                                          void* grad_target, int32_t* history, cudaStream_t stream) {
-  return with_gradient_op<ReducedLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
+  return with_gradient_op<ReducedLossBackwardOp, true>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
     using Op = decltype(op);
     op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
@@ -1533,6 +1705,42 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
 }
 
 }  // namespace fusedloss
+// launch_blockwise_reduction: a small or middling mean or sum in one or two
+// launches, with no scratch to zero (reduction_pass.cuh).
+
+
+namespace fusedloss {
+
+int64_t blockwise_scratch_bytes(const LossProblem& p) {
+  int64_t bytes = 0;
+  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
+    const int64_t blocks = blockwise_blocks(num_tiles<Op>(p.numel));
+    bytes = blocks > 1 ? blocks * ExactSum<typename Op::T>::kCopyWords * int64_t(sizeof(Word)) : 0;
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, bool mean, void* out,
+                                       cudaStream_t stream) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
+    using Out = typename Op::Out;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    const int64_t blocks = tiles == 0 ? 1 : blockwise_blocks(tiles);
+    Word* sums = static_cast<Word*>(block_sums);
+    blockwise_reduced_loss_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(make_op<Op>(p), p.numel, tiles, sums,
+                                                                              mean, static_cast<Out*>(out));
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess || blocks == 1) return err;
+    finish_blockwise_reduction_kernel<typename Op::T, Out><<<1, kBlockThreads, 0, stream>>>(
+        sums, int(blocks), p.numel, mean, static_cast<Out*>(out));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fusedloss
 // The reduction pass that also writes d loss / d target, and d loss / d input
 // where its pointer is set (reduction_pass.cuh).
 
@@ -1549,6 +1757,14 @@ template cudaError_t launch_reduction_pass<Grads::kInputAndTarget>(const LossPro
 namespace fusedloss {
 
 template cudaError_t launch_reduction_pass<Grads::kInput>(const LossProblem&, Word*, void*, void*, bool, cudaStream_t);
+
+}  // namespace fusedloss
+// The read-only reduction pass (reduction_pass.cuh).
+
+
+namespace fusedloss {
+
+template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Word*, void*, void*, bool, cudaStream_t);
 
 }  // namespace fusedloss
 """

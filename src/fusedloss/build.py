@@ -48,7 +48,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 # The host file and one translation unit per kernel family; the headers come in through #include.
-SOURCES = ("fusedloss_ops.cpp", *sorted(path.name for path in CSRC.glob("*.cu")))
+SOURCES = ("fusedloss_ops.cpp", "autograd.cpp", *sorted(path.name for path in CSRC.glob("*.cu")))
 _COMMON_FLAGS = ["-O3"]  # the C++ standard is torch's choice: each torch version asks for its own
 OPS = ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_")
 

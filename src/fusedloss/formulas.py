@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .functional import LOSSES
+from . import functional  # the table of losses (a module: functional imports this one's users)
 
 
 def loss_dtype(input_dtype: torch.dtype, target_dtype: torch.dtype, loss: str) -> torch.dtype:
     """PyTorch's result dtype: the promoted pair, or the input's for a loss that keeps it (Huber)."""
-    return input_dtype if LOSSES[loss].keeps_input_dtype else torch.promote_types(input_dtype, target_dtype)
+    return input_dtype if functional.LOSSES[loss].keeps_input_dtype else torch.promote_types(input_dtype, target_dtype)
 
 
 def torch_loss(input: Tensor, target: Tensor, loss: str, param: float, reduction: str) -> Tensor:
     """The loss through torch.nn.functional, broadcast first so no warning is repeated."""
     input, target = torch.broadcast_tensors(input, target)
-    return LOSSES[loss].reference(input, target, reduction, param)
+    return functional.LOSSES[loss].reference(input, target, reduction, param)
 
 
 def loss_grad(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
@@ -32,4 +32,4 @@ def loss_grad(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
     d = input - target
     # fp32 math for 16-bit data, as the kernels do; beta or delta may not fit in fp16.
     x = d.to(torch.promote_types(d.dtype, torch.float32))
-    return LOSSES[loss].gradient(x, param).to(d.dtype)
+    return functional.LOSSES[loss].gradient(x, param).to(d.dtype)

@@ -1,11 +1,15 @@
 """Drop-in replacements for ``torch.nn.functional``'s regression losses.
 
 On CUDA, float16, bfloat16, float32 and float64 operands (mixed pairs too)
-run on fusedloss's kernels. Everything else (CPU and other devices, other
-dtypes, tensor subclasses, ``weight``, invalid beta or delta, operands on
-different devices) is handed to ``torch.nn.functional`` unchanged, so results,
-warnings and errors there are PyTorch's own. So is everything when the kernels
-cannot be built (see ``build.use_kernels``).
+run on fusedloss's kernels, in eager mode and under CUDA autocast (which these
+losses follow: a float32 loss from 16-bit operands, read as they are) and CUDA
+graphs. Everything else is handed to ``torch.nn.functional`` unchanged, so
+results, warnings and errors there are PyTorch's own: CPU and other devices,
+other dtypes, tensor subclasses, ``weight``, invalid beta or delta, operands on
+different devices, torch.func transforms and forward-mode AD (which need
+PyTorch's rules), ``torch.compile`` (whose inductor fuses PyTorch's formula
+with the ops around the loss), and everything when the kernels cannot be built
+(see ``build.use_kernels``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch.autograd import forward_ad
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import build, gradient_placement
+from . import build, gradient_placement, ops
 
 
 @dataclass(frozen=True)
@@ -54,20 +58,32 @@ LOSSES: dict[str, Loss] = {
     ),
 }
 
+_reduced_loss = torch.ops.fusedloss.reduced_loss.default
+_pointwise_loss = torch.ops.fusedloss.pointwise_loss.default
+
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_16_BIT = (torch.float16, torch.bfloat16)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
+_NO_GRADIENTS = [False, False]
+# From operands of this many bytes on (both together), a mean or sum may write
+# its gradient in the forward pass (gradient_placement). Below, a step is bound
+# by host time, not memory: backward computes the gradient from the operands,
+# in as many launches and with no bookkeeping (docs/design.md, "Gradient placement").
+FUSED_GRADIENT_FROM_BYTES = 1 << 27
 
 
-def _kernels_apply(input: Tensor, target: Tensor, weight: Tensor | None) -> bool:
+def _kernels_apply(input: Tensor, target: Tensor) -> bool:
     return (
-        weight is None
+        # torch.compile traces torch.nn.functional instead, which inductor can fuse
+        # with the ops around the loss (docs/design.md, "torch.compile").
+        not torch.compiler.is_compiling()
         and isinstance(input, Tensor)
         and isinstance(target, Tensor)
         and not has_torch_function_variadic(input, target)
         and input.is_cuda
-        and target.device == input.device
         and input.dtype in _KERNEL_DTYPES
         and target.dtype in _KERNEL_DTYPES
+        and target.get_device() == input.get_device()
         and not _under_a_transform(input, target)
         and build.use_kernels()
     )
@@ -76,22 +92,11 @@ def _kernels_apply(input: Tensor, target: Tensor, weight: Tensor | None) -> bool
 def _under_a_transform(input: Tensor, target: Tensor) -> bool:
     """torch.func transforms (grad, vmap, jvp, jacrev, ...) and forward-mode AD: the fused
     operators have no rules for them, so such calls run PyTorch's formula, which has."""
-    if torch.compiler.is_compiling():
-        return False
     return (
         forward_ad._current_level >= 0
         or _functorch.is_functorch_wrapped_tensor(input)
         or _functorch.is_functorch_wrapped_tensor(target)
     )
-
-
-_AUTOCAST_TO_FLOAT32 = (torch.float16, torch.bfloat16)
-
-
-def _as_autocast_would(operand: Tensor) -> Tensor:
-    # CUDA autocast runs these losses in float32 (they are on its float32 list): it casts
-    # 16-bit operands, differentiably, so the gradients come back in their dtypes.
-    return operand.float() if operand.dtype in _AUTOCAST_TO_FLOAT32 else operand
 
 
 def _weight_kwargs(weight: Tensor | None) -> dict:
@@ -109,9 +114,7 @@ def _fused_loss(
     reduction: str,
 ) -> Tensor:
     """The steps of torch.nn.functional's losses, in its order, then one fused op."""
-    if torch.is_autocast_enabled("cuda"):
-        input, target = _as_autocast_would(input), _as_autocast_would(target)
-    if target.size() != input.size():
+    if target.shape != input.shape:
         warnings.warn(
             f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
             "This will likely lead to incorrect results due to broadcasting. "
@@ -123,24 +126,20 @@ def _fused_loss(
     mode = _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
-    grad_enabled = torch.is_grad_enabled()
-    output_mask = [grad_enabled and input.requires_grad, grad_enabled and target.requires_grad]
-    if any(output_mask) or torch.compiler.is_compiling():
-        if any(output_mask) and mode != "none" and gradient_placement.gradient_in_backward(
-            loss, param, mode, input, target
-        ):
-            output_mask = [False, False]
-        return _call_op(loss, param, input, target, mode, output_mask)
-    # No gradient wanted: skip the Python autograd layer, whose overhead would
-    # dominate small losses.
-    with torch._C._AutoDispatchBelowAutograd():
-        return _call_op(loss, param, input, target, mode, output_mask)
-
-
-def _call_op(loss: str, param: float, input: Tensor, target: Tensor, mode: str, output_mask: list[bool]) -> Tensor:
+    # CUDA autocast runs these losses in float32 (they are on its float32 list).
+    autocast = (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled("cuda")
     if mode == "none":
-        return torch.ops.fusedloss.pointwise_loss.default(input, target, loss, param)
-    return torch.ops.fusedloss.reduced_loss.default(input, target, loss, param, mode, output_mask)[0]
+        if autocast:
+            input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)
+        return _pointwise_loss(input, target, loss, param)
+    output_mask, slot = _NO_GRADIENTS, -1
+    if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
+        numel = input.numel() if target.shape == input.shape else ops.broadcast_numel(input, target)
+        if numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES:
+            if not gradient_placement.gradient_in_backward(loss, param, mode, input, target):
+                output_mask = [input.requires_grad, target.requires_grad]
+            slot = gradient_placement.history_slot(loss, param, mode, input, target)
+    return _reduced_loss(input, target, loss, param, mode, output_mask, slot, autocast)[0]
 
 
 def mse_loss(
@@ -152,7 +151,7 @@ def mse_loss(
     weight: Tensor | None = None,
 ) -> Tensor:
     """Mean squared error, as ``torch.nn.functional.mse_loss``."""
-    if not _kernels_apply(input, target, weight):
+    if weight is not None or not _kernels_apply(input, target):
         return F.mse_loss(input, target, size_average, reduce, reduction, **_weight_kwargs(weight))
     return _fused_loss("mse", 0.0, input, target, size_average, reduce, reduction)
 
@@ -166,7 +165,7 @@ def l1_loss(
     weight: Tensor | None = None,
 ) -> Tensor:
     """Mean absolute error, as ``torch.nn.functional.l1_loss``."""
-    if not _kernels_apply(input, target, weight):
+    if weight is not None or not _kernels_apply(input, target):
         return F.l1_loss(input, target, size_average, reduce, reduction, **_weight_kwargs(weight))
     return _fused_loss("l1", 0.0, input, target, size_average, reduce, reduction)
 
@@ -180,7 +179,7 @@ def smooth_l1_loss(
     beta: float = 1.0,
 ) -> Tensor:
     """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1."""
-    if not (beta >= 0) or not _kernels_apply(input, target, None):
+    if not (beta >= 0) or not _kernels_apply(input, target):
         return F.smooth_l1_loss(input, target, size_average, reduce, reduction, beta=beta)
     return _fused_loss("smooth_l1", float(beta), input, target, size_average, reduce, reduction)
 
@@ -193,6 +192,6 @@ def huber_loss(
     weight: Tensor | None = None,
 ) -> Tensor:
     """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype."""
-    if not (delta > 0) or not _kernels_apply(input, target, weight):
+    if not (delta > 0) or weight is not None or not _kernels_apply(input, target):
         return F.huber_loss(input, target, reduction=reduction, delta=delta, **_weight_kwargs(weight))
     return _fused_loss("huber", float(delta), input, target, None, None, reduction)

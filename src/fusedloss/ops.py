@@ -21,7 +21,18 @@ broadcast shape and autograd sums them to each operand's own shape.
   one pass.
 - ``grad_output_history``: the host-mapped notes in which ``scale_`` and
   ``reduced_loss_backward`` record, at ``history_slot`` (-1: nowhere), whether
-  grad_output was 1 (CUDA only; see ``gradient_placement``).
+  grad_output was 1 (CUDA only; see ``gradient_placement``). The forward takes
+  the slot for its backward.
+- ``loss_gradients``: the same gradients as a composite of torch operations,
+  which autograd can differentiate again (``create_graph=True``).
+
+With ``autocast``, the reductions compute what CUDA autocast computes: 16-bit
+operands as float32 (these losses are on its float32 list), a float32 loss,
+and gradients in the operands' own dtypes. On CUDA the kernels read the
+16-bit operands as they are.
+
+The autograd formulas below serve CPU tensors and tracing; on CUDA the same
+formulas run in C++ (``csrc/autograd.cpp``), so that backward runs no Python.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import build, formulas, gradient_placement
+from . import build, formulas
 
 _lib = torch.library.Library("fusedloss", "DEF")
 _lib.define("pointwise_loss(Tensor input, Tensor target, str loss, float param) -> Tensor")
@@ -40,12 +51,16 @@ _lib.define(
     "bool[2] output_mask) -> (Tensor, Tensor)"
 )
 _lib.define(
-    "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask) "
-    "-> (Tensor, Tensor, Tensor)"
+    "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, "
+    "int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "reduced_loss_backward(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
-    "bool[2] output_mask, int history_slot=-1) -> (Tensor, Tensor)"
+    "bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "loss_gradients(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
+    "bool autocast=False) -> (Tensor, Tensor)"
 )
 _lib.define("scale_(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()")
 _lib.define("grad_output_history() -> Tensor")
@@ -55,7 +70,18 @@ def _grad_buffer(wanted: bool, like: Tensor, shape: Sequence[int]) -> Tensor:
     return like.new_empty(shape) if wanted else like.new_empty((0,))
 
 
-def _broadcast_numel(input: Tensor, target: Tensor) -> int:
+def as_autocast_would(operand: Tensor) -> Tensor:
+    """The operand as CUDA autocast hands it to these losses: float32 if 16-bit."""
+    return operand.float() if operand.dtype in (torch.float16, torch.bfloat16) else operand
+
+
+def _loss_dtype(input: Tensor, target: Tensor, loss: str, autocast: bool = False) -> torch.dtype:
+    if autocast:
+        input, target = as_autocast_would(input), as_autocast_would(target)
+    return formulas.loss_dtype(input.dtype, target.dtype, loss)
+
+
+def broadcast_numel(input: Tensor, target: Tensor) -> int:
     shape = torch.broadcast_shapes(input.shape, target.shape)
     numel = 1
     for size in shape:
@@ -91,18 +117,19 @@ def _pointwise_loss_backward_fake(
 
 @torch.library.register_fake("fusedloss::reduced_loss")
 def _reduced_loss_fake(
-    input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool]
+    input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
+    history_slot: int = -1, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
-    out = input.new_empty((), dtype=formulas.loss_dtype(input.dtype, target.dtype, loss))
+    out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
     return out, _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
 
 
 @torch.library.register_fake("fusedloss::reduced_loss_backward")
 def _reduced_loss_backward_fake(
     grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
-    output_mask: Sequence[bool], history_slot: int = -1,
+    output_mask: Sequence[bool], history_slot: int = -1, autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
@@ -123,9 +150,13 @@ def _pointwise_loss_cpu(input: Tensor, target: Tensor, loss: str, param: float) 
 
 
 def _gradients_cpu(
-    grad_output: Tensor | float, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool]
+    grad_output: Tensor | float, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool],
+    autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    grad = formulas.loss_grad(input, target, loss, param) * grad_output
+    if autocast:
+        grad = formulas.loss_grad(as_autocast_would(input), as_autocast_would(target), loss, param) * grad_output
+    else:
+        grad = formulas.loss_grad(input, target, loss, param) * grad_output
     grad_input = grad.to(input.dtype) if output_mask[0] else _grad_buffer(False, input, grad.shape)
     grad_target = (-grad).to(target.dtype) if output_mask[1] else _grad_buffer(False, target, grad.shape)
     return grad_input, grad_target
@@ -139,26 +170,30 @@ def _pointwise_loss_backward_cpu(
 
 
 def _reduction_scale(reduction: str, input: Tensor, target: Tensor) -> float:
-    numel = _broadcast_numel(input, target)
+    numel = broadcast_numel(input, target)
     return 1.0 / numel if reduction == "mean" and numel > 0 else 1.0
 
 
 @torch.library.impl(_lib, "reduced_loss", "CPU")
 def _reduced_loss_cpu(
-    input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool]
+    input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
+    history_slot: int = -1, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    out = formulas.torch_loss(input, target, loss, param, reduction)
+    if autocast:
+        out = formulas.torch_loss(as_autocast_would(input), as_autocast_would(target), loss, param, reduction)
+    else:
+        out = formulas.torch_loss(input, target, loss, param, reduction)
     scale = _reduction_scale(reduction, input, target)
-    return (out, *_gradients_cpu(scale, input, target, loss, param, output_mask))
+    return (out, *_gradients_cpu(scale, input, target, loss, param, output_mask, autocast))
 
 
 @torch.library.impl(_lib, "reduced_loss_backward", "CPU")
 def _reduced_loss_backward_cpu(
     grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
-    output_mask: Sequence[bool], history_slot: int = -1,
+    output_mask: Sequence[bool], history_slot: int = -1, autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     scale = _reduction_scale(reduction, input, target)
-    grad_input, grad_target = _gradients_cpu(scale, input, target, loss, param, output_mask)
+    grad_input, grad_target = _gradients_cpu(scale, input, target, loss, param, output_mask, autocast)
     return grad_input * grad_output, grad_target * grad_output
 
 
@@ -176,22 +211,20 @@ def _sum_to(grad: Tensor | None, operand: Tensor) -> Tensor | None:
     return grad.sum_to_size(operand.shape)
 
 
-def _loss_gradients(
-    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, needs: Sequence[bool]
-) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of an elementwise loss for a per-element ``grad_output``."""
-    if torch.is_grad_enabled():
-        # create_graph=True: a composite formula that autograd can differentiate again.
-        grad = formulas.loss_grad(input, target, loss, param) * grad_output
-        grad_input, grad_target = grad.to(input.dtype), (-grad).to(target.dtype)
-    else:
-        grad_input, grad_target = torch.ops.fusedloss.pointwise_loss_backward(
-            grad_output, input, target, loss, param, [bool(needs[0]), bool(needs[1])]
-        )
-    return (
-        _sum_to(grad_input, input) if needs[0] else None,
-        _sum_to(grad_target, target) if needs[1] else None,
-    )
+@torch.library.impl(_lib, "loss_gradients", "CompositeImplicitAutograd")
+def _loss_gradients_composite(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
+    autocast: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """d loss / d input and d loss / d target for grad_output (one value for a mean or
+    sum, one per element for 'none'), summed to each operand's shape."""
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    if reduction != "none":
+        per_element = grad_output / broadcast_numel(input, target) if reduction == "mean" else grad_output
+        grad_output = per_element.expand(shape)
+    operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+    grad = formulas.loss_grad(*operands, loss, param) * grad_output
+    return _sum_to(grad.to(input.dtype), input), _sum_to((-grad).to(target.dtype), target)
 
 
 def _pointwise_setup_context(ctx, inputs, output) -> None:
@@ -201,12 +234,19 @@ def _pointwise_setup_context(ctx, inputs, output) -> None:
 
 def _pointwise_backward(ctx, grad: Tensor):
     input, target = ctx.saved_tensors
-    grad_input, grad_target = _loss_gradients(grad, input, target, ctx.loss, ctx.param, ctx.needs_input_grad[:2])
-    return grad_input, grad_target, None, None
+    needs = ctx.needs_input_grad[:2]
+    if torch.is_grad_enabled():
+        grad_input, grad_target = torch.ops.fusedloss.loss_gradients(grad, input, target, ctx.loss, ctx.param, "none")
+    else:
+        grad_input, grad_target = torch.ops.fusedloss.pointwise_loss_backward(
+            grad, input, target, ctx.loss, ctx.param, [bool(needs[0]), bool(needs[1])]
+        )
+    return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
+            None, None)
 
 
 def _reduced_setup_context(ctx, inputs, output) -> None:
-    input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask = inputs
+    input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask, ctx.slot, ctx.autocast = inputs
     # Nothing flows back into the fused gradients; don't build N-sized zeros for them.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target)
@@ -228,28 +268,26 @@ def _scaled(fused_grad: Tensor, grad: Tensor, history_slot: int) -> Tensor:
 
 def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad_target):
     if grad is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     input, target = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
     fused = ctx.fused_gradients
     if torch.is_grad_enabled():
-        # create_graph=True: a composite formula that autograd can differentiate again.
-        shape = torch.broadcast_shapes(input.shape, target.shape)
-        per_element = grad / _broadcast_numel(input, target) if ctx.reduction == "mean" else grad
-        return (*_loss_gradients(per_element.expand(shape), input, target, ctx.loss, ctx.param, needs),
-                None, None, None, None)
-    slot = gradient_placement.history_slot(ctx.loss, ctx.param, ctx.reduction, input, target)
-    if fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
+        grad_input, grad_target = torch.ops.fusedloss.loss_gradients(
+            grad, input, target, ctx.loss, ctx.param, ctx.reduction, ctx.autocast
+        )
+    elif fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
         # Scaled in place, so only the first backward through this graph may use them.
         ctx.fused_gradients = None
-        grad_input = _scaled(fused[0], grad, slot) if needs[0] else None
-        grad_target = _scaled(fused[1], grad, slot) if needs[1] else None
+        grad_input = _scaled(fused[0], grad, ctx.slot) if needs[0] else None
+        grad_target = _scaled(fused[1], grad, ctx.slot) if needs[1] else None
     else:
         grad_input, grad_target = torch.ops.fusedloss.reduced_loss_backward(
-            grad, input, target, ctx.loss, ctx.param, ctx.reduction, [bool(needs[0]), bool(needs[1])], slot
+            grad, input, target, ctx.loss, ctx.param, ctx.reduction, [bool(needs[0]), bool(needs[1])], ctx.slot,
+            ctx.autocast,
         )
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            None, None, None, None)
+            None, None, None, None, None, None)
 
 
 torch.library.register_autograd(

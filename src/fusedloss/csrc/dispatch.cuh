@@ -28,9 +28,19 @@ void with_loss(LossKind loss, F&& f) {
 #undef FUSEDLOSS_LOSS_CASE
 }
 
+template <typename T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<T, __half>) return DType::kFloat16;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::kBFloat16;
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
+}
+
 // Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
-// taken only paired with fp64; the host code converts the other operand.
-template <class F>
+// taken only paired with fp64; the host code converts the other operand. A
+// problem under autocast is taken only by the launchers that instantiate
+// Float32Math (kWithAutocast), for the pairs reads_under_autocast names.
+template <bool kWithAutocast = false, class F>
 cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   with_dtype(p.input_dtype, [&](auto in) {
@@ -38,7 +48,11 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
       using In = decltype(in);
       using Tgt = decltype(tgt);
       if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
-        with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
+        if (!p.autocast) {
+          with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
+        } else if constexpr (kWithAutocast && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
+          with_loss(p.loss, [&](auto loss) { err = f(Float32Math<decltype(loss)>{}, in, tgt); });
+        }
       }
     });
   });
@@ -49,9 +63,9 @@ template <Grads kGrads>
 using GradsConstant = std::integral_constant<Grads, kGrads>;
 
 // The same, with a fourth argument: the Grads that writing these gradients takes.
-template <class F>
+template <bool kWithAutocast = false, class F>
 cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool writes_target, F&& f) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types<kWithAutocast>(p, [&](auto loss, auto in, auto tgt) {
     if (writes_target) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
     if (writes_input) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
     return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
@@ -80,10 +94,10 @@ Op make_op(const LossProblem& p) {
 // Calls f(op, tiles) with an OpT for the gradients that grad_input and
 // grad_target ask for, its operands and gradient pointers set; nothing to do
 // when none is asked for or the problem is empty.
-template <template <class, typename, typename, Grads> class OpT, class F>
+template <template <class, typename, typename, Grads> class OpT, bool kWithAutocast = false, class F>
 cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_target, F&& f) {
-  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr, [&](auto loss, auto in, auto tgt,
-                                                                                  auto grads) {
+  return with_problem_types<kWithAutocast>(p, grad_input != nullptr, grad_target != nullptr,
+                                           [&](auto loss, auto in, auto tgt, auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = OpT<decltype(loss), In, Tgt, grads()>;

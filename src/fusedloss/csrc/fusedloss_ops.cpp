@@ -93,7 +93,20 @@ std::vector<int64_t> broadcast_shape(at::IntArrayRef a, at::IntArrayRef b) {
   return shape;
 }
 
-Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param) {
+bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// The operand as CUDA autocast hands it to these losses: float32 if 16-bit.
+at::Tensor as_autocast_would(const at::Tensor& t) { return is_16bit(t.scalar_type()) ? t.to(at::kFloat) : t; }
+
+// With `autocast`, the loss is the one of the operands as autocast would cast
+// them; the pairs the kernels read directly (reads_under_autocast) are not converted.
+Operands prepare(const at::Tensor& input_as_given, const at::Tensor& target_as_given, c10::string_view loss,
+                 double param, bool autocast = false) {
+  const bool reads_directly = autocast && reads_under_autocast(to_dtype(input_as_given.scalar_type()),
+                                                               to_dtype(target_as_given.scalar_type()));
+  const bool converts = autocast && !reads_directly;
+  const at::Tensor input = converts ? as_autocast_would(input_as_given) : input_as_given;
+  const at::Tensor target = converts ? as_autocast_would(target_as_given) : target_as_given;
   TORCH_CHECK(input.is_cuda() && input.device() == target.device(),
               "fusedloss: input and target must be on the same CUDA device, got ", input.device(),
               " and ", target.device());
@@ -104,9 +117,9 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
   (void)to_dtype(target.scalar_type());
   // PyTorch computes Huber in the input's dtype (the target is converted to it),
   // the other losses in the promoted dtype.
-  const at::ScalarType common = kind == LossKind::kHuber
-                                    ? input.scalar_type()
-                                    : c10::promoteTypes(input.scalar_type(), target.scalar_type());
+  const at::ScalarType common = reads_directly               ? at::kFloat
+                                : kind == LossKind::kHuber ? input.scalar_type()
+                                                           : c10::promoteTypes(input.scalar_type(), target.scalar_type());
 
   Operands ops;
   ops.loss_dtype = common;
@@ -119,7 +132,8 @@ Operands prepare(const at::Tensor& input, const at::Tensor& target, c10::string_
                             to_dtype(ops.input.scalar_type()),
                             ops.target.data_ptr(),
                             to_dtype(ops.target.scalar_type()),
-                            ops.input.numel()};
+                            ops.input.numel(),
+                            reads_directly};
   return ops;
 }
 
@@ -130,6 +144,9 @@ at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
 }
 
 void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
+
+// Skips the dispatch of a conversion to the dtype a tensor has: this runs on every call.
+at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
 // One int32 per slot, 1 when the last backward in that slot had grad_output != 1
 // (fusedloss/gradient_placement.py). Host memory that the kernels write and the
@@ -185,43 +202,48 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
   C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar,
                                                 data_or_null(grad_input), data_or_null(grad_target),
                                                 c10::cuda::getCurrentCUDAStream()));
-  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
+// history_slot is autograd's (see reduced_loss_backward); the forward ignores it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
                                                             c10::string_view loss, double param,
                                                             c10::string_view reduction,
-                                                            std::array<bool, 2> output_mask) {
+                                                            std::array<bool, 2> output_mask, int64_t,
+                                                            bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem);
-  at::Tensor scratch = at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte));
-  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.data_ptr(), data_or_null(grad_input),
+  const int64_t scratch_bytes = reduced_loss_scratch_bytes(ops.problem, output_mask[0] || output_mask[1]);
+  const at::Tensor scratch =
+      scratch_bytes > 0 ? at::empty({scratch_bytes}, ops.input.options().dtype(at::kByte)) : at::Tensor();
+  C10_CUDA_CHECK(launch_reduced_loss(ops.problem, scratch.defined() ? scratch.data_ptr() : nullptr,
+                                     data_or_null(grad_input),
                                      data_or_null(grad_target), mean, out.data_ptr(),
                                      c10::cuda::getCurrentCUDAStream()));
-  return {out, grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                                          const at::Tensor& target, c10::string_view loss,
                                                          double param, c10::string_view reduction,
-                                                         std::array<bool, 2> output_mask, int64_t history_slot_index) {
+                                                         std::array<bool, 2> output_mask, int64_t history_slot_index,
+                                                         bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
               "fusedloss: reduced_loss_backward takes a one-element grad_output on ", input.device());
-  const at::Tensor go = grad_output.to(ops.loss_dtype).reshape({1}).contiguous();
+  const at::Tensor go = as_dtype(grad_output, ops.loss_dtype);  // one element: its layout does not matter
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
   C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean, data_or_null(grad_input),
                                               data_or_null(grad_target), history_slot(history_slot_index),
                                               c10::cuda::getCurrentCUDAStream()));
-  return {grad_input.to(input.scalar_type()), grad_target.to(target.scalar_type())};
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {

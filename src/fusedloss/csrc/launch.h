@@ -21,7 +21,10 @@ enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
-// Smooth L1 (> 0) and delta for Huber; unused otherwise.
+// Smooth L1 (> 0) and delta for Huber; unused otherwise. With `autocast`, the
+// loss is computed as CUDA autocast computes it, in float32 from 16-bit
+// operands read as they are (only the reductions take it, and only for the
+// pairs that reads_under_autocast names).
 struct LossProblem {
   LossKind loss;
   double param;
@@ -30,15 +33,27 @@ struct LossProblem {
   const void* target;
   DType target_dtype;
   int64_t numel;
+  bool autocast = false;
 };
+
+// The pairs the reductions read directly under autocast: float16 or bfloat16
+// with itself or with float32. The host converts other 16-bit operands first.
+constexpr bool reads_under_autocast(DType input, DType target) {
+  const bool input_16 = input == DType::kFloat16 || input == DType::kBFloat16;
+  const bool target_16 = target == DType::kFloat16 || target == DType::kBFloat16;
+  return (input_16 && (target == input || target == DType::kFloat32)) ||
+         (target_16 && input == DType::kFloat32);
+}
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
 // below): each tile's partial sum is added exactly into `scratch`
 // (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
 // same bits on every run and needs no memory in proportion to N; and, where
 // the pointers are set, d loss / d input and d loss / d target (times 1/N for
-// a mean) in the same pass.
-int64_t reduced_loss_scratch_bytes(const LossProblem& problem);
+// a mean) in the same pass. A small loss with no gradient to write is one
+// launch that needs no scratch (0 bytes; `scratch` may be null); a middling
+// one two launches whose scratch need not be zeroed.
+int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 

@@ -35,7 +35,9 @@ struct PairOp {
   using T = opmath_t<In, Tgt>;
   using InT = In;
   using TgtT = Tgt;
-  using Out = std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>;
+  static constexpr bool kFloat32Math = IsFloat32Math<Loss>::value;
+  using Out = std::conditional_t<kFloat32Math, float,
+                                 std::conditional_t<Loss::kOutputHasInputDtype, In, typename Promote<In, Tgt>::type>>;
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
   static constexpr int kChunksPerThread = 1;
   static constexpr int kChunksInFlight = 1;
@@ -54,8 +56,8 @@ struct PairOp {
   LossParam<T> target_grad_param;  // in the dtype d loss / d target is computed in
 
   // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
-  using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype, In, Out>;
-  using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype, Tgt, Out>;
+  using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
+  using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
 
   // v as PyTorch's kernels see it when they compute in dtype D (Huber's forward
   // narrows the target to the input's dtype; an fp16 gradient sees 1e30 as inf).

@@ -14,6 +14,8 @@
 
 #ifdef __CUDACC__
 
+#include <type_traits>
+
 // `value` and `grad` (d loss / d input) follow PyTorch's kernels branch for
 // branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
 // kGradInOwnDtype: PyTorch's CUDA backward computes each gradient in that
@@ -80,6 +82,17 @@ struct HuberLoss {
     return d < -delta.value ? -delta.value : (d > delta.value ? delta.value : d);
   }
 };
+
+// A loss as CUDA autocast computes it (these losses are on its float32 list):
+// 16-bit operands read as float32, the loss and both gradients in float32,
+// each gradient rounded once into its operand's dtype when stored.
+template <class Loss>
+struct Float32Math : Loss {};
+
+template <class Loss>
+struct IsFloat32Math : std::false_type {};
+template <class Loss>
+struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
 
 }  // namespace fusedloss
 

@@ -14,10 +14,17 @@ template <Grads kGrads>
 cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
                                   cudaStream_t stream);
 
+// The whole reduction of a problem of at most kBlockwiseMaxTiles tiles, with
+// no gradient, into `out`, using `block_sums` (blockwise_scratch_bytes; null
+// when that is 0) (reduced_loss_blockwise.cu).
+int64_t blockwise_scratch_bytes(const LossProblem& p);
+cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, bool mean, void* out,
+                                       cudaStream_t stream);
+
 template <Grads kGrads>
 cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
                                   cudaStream_t stream) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt, kGrads>;
