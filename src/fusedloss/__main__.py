@@ -43,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="check against float64 and time against eager and torch.compile")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the table, CSV and plot")
     bench.add_argument("--shape", type=int, nargs="+", default=[32768, 32768], help="input shape of the cases")
-    bench.add_argument("--no-sweep", action="store_true", help="skip the 2^12..2^30 size sweep")
     bench.add_argument("--no-training", action="store_true", help="skip the forward+backward rows")
+    latency = bench.add_mutually_exclusive_group()
+    latency.add_argument("--no-latency", action="store_true",
+                         help="skip the training-loop rows (latency table, AMP, loss / 4, compiled model)")
+    latency.add_argument("--only-latency", action="store_true",
+                         help="run only the training-loop rows, not the 2^30 rows")
+    bench.add_argument("--latency-exponents", type=int, nargs="+", metavar="K",
+                       help="sizes 2^K of the latency table (default: 7 10 12 14 ... 30)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     if args.command == "build":
@@ -52,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import bench as bench_module
 
-    return bench_module.run(args.out, tuple(args.shape), with_sweep=not args.no_sweep,
-                            with_training=not args.no_training)
+    return bench_module.run(args.out, tuple(args.shape), with_training=not args.no_training, with_latency=not args.no_latency,
+                            only_latency=args.only_latency, latency_exponents=args.latency_exponents)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ percentage refers to.
 
 from __future__ import annotations
 
-import csv
-import functools
 import math
 import statistics
 import sys
@@ -30,7 +28,6 @@ import fusedloss
 from . import build, formulas
 
 SEED_SHAPE = (32768, 32768)
-SWEEP_EXPONENTS = range(12, 31)
 
 
 @dataclass(frozen=True)
@@ -205,50 +202,6 @@ def bench_training_step(case: Case, dtype: torch.dtype, shape: tuple[int, ...], 
                compile_peak_gib=peaks["compile"])
 
 
-def sweep(out_dir: Path) -> list[tuple[int, float, float, float]]:
-    """MSE fp32 time against N, 2^12 .. 2^30, for the three systems; CSV + PNG."""
-    results = []
-    for exponent in _progress(SWEEP_EXPONENTS, len(SWEEP_EXPONENTS), "size sweep"):
-        n = 2**exponent
-        compiled = _fresh_compile(_seed_mse)
-        systems = {"fused": fusedloss.mse_loss, "eager": _seed_mse, "compile": compiled}
-        # Each system reads its own copy of the inputs: taking turns over one copy, a
-        # system would find the previous one's reads in L2 at sizes near its capacity.
-        calls = {name: functools.partial(fn, *seed_inputs((n,), torch.float32, "cuda")) for name, fn in systems.items()}
-        reps = 200 if exponent < 24 else 20
-        with torch.no_grad():
-            ms = time_side_by_side(calls, reps=reps, warmup_s=0.05)
-        results.append((n, ms["fused"], ms["eager"], ms["compile"]))
-        del calls
-    with open(out_dir / "sweep_mse_fp32.csv", "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["n", "fusedloss_ms", "eager_ms", "compile_ms"])
-        writer.writerows(results)
-    _plot_sweep(results, out_dir / "sweep_mse_fp32.png")
-    return results
-
-
-def _plot_sweep(results, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = [r[0] for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for column, label in ((1, "fusedloss"), (2, "eager torch.mean((p-t)**2)"), (3, "torch.compile")):
-        ax.plot(n, [r[column] for r in results], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("N (float32 elements per input)")
-    ax.set_ylabel("time per call (ms, median)")
-    ax.set_title(f"MSE mean, {torch.cuda.get_device_name()}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def _format_rows(rows: list[Row]) -> str:
     header = (f"{'case':30} {'dtype':8} {'mode':26} {'fused ms':>9} {'TB/s':>6} {'copy':>5} {'%copy':>6} "
               f"{'eager ms':>9} {'compile ms':>10} {'x eager':>8} {'x compile':>9} {'rel err':>9} "
@@ -277,8 +230,9 @@ def cpu_demo() -> None:
         print(f"{case.loss:10} {value.item():12.6f} {reference:12.6f} {relative_error(value, reference):9.1e}")
 
 
-def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE, with_sweep: bool = True,
-        with_training: bool = True) -> int:
+def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE,
+        with_training: bool = True, with_latency: bool = True, only_latency: bool = False,
+        latency_exponents: tuple[int, ...] | None = None) -> int:
     if not torch.cuda.is_available():
         print("fusedloss bench: no CUDA device, so nothing to time. fusedloss runs CPU tensors through "
               "torch.nn.functional, so this demo checks those results against float64:")
@@ -289,6 +243,11 @@ def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE, with_sweep: bool = T
     build.load()
     device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda}; shape {shape}")
+    from . import bench_training  # here: it imports this module's helpers
+
+    if only_latency:
+        bench_training.run_all(out_dir, latency_exponents)
+        return 0
 
     jobs = [(bench_forward, case, dtype, ()) for dtype in (torch.float32, torch.bfloat16) for case in CASES]
     if with_training:
@@ -300,11 +259,7 @@ def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE, with_sweep: bool = T
         torch.cuda.empty_cache()
     table = _format_rows(rows)
     (out_dir / "bench.txt").write_text(f"{device}; torch {torch.__version__}\n{table}\n")
-    if with_sweep:
-        results = sweep(out_dir)
-        lines = [f"{'N':>12} {'fused ms':>9} {'eager ms':>9} {'compile ms':>10} {'x eager':>8}"]
-        lines += [f"{n:12d} {f:9.4f} {e:9.4f} {c:10.4f} {e / f:8.2f}" for n, f, e, c in results]
-        print("\n".join(lines))
-        print(f"sweep written to {out_dir / 'sweep_mse_fp32.csv'} and {out_dir / 'sweep_mse_fp32.png'}")
+    if with_latency:
+        bench_training.run_all(out_dir, latency_exponents)
     print(table)
     return 0
