@@ -2,8 +2,9 @@
 
 Losses x reductions x dtype pairs, forward and backward (input and target
 gradients, grad_output == 1 and != 1, written by the forward or recomputed in
-backward), 16-byte aligned and misaligned operands,
-and lengths that leave a tail after the last full vector.
+backward), 16-byte aligned and misaligned operands, lengths that leave a tail
+after the last full vector, reductions of one block and of many (blockwise and
+tile per block), and the autocast kernels that read 16-bit operands.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import torch
 
 import fusedloss
+from fusedloss import functional
 
 LOSSES = {
     "mse": (fusedloss.mse_loss, {}),
@@ -22,6 +24,10 @@ LOSSES = {
 }
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float16), (torch.float64, torch.float64)]
+AUTOCAST_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
+                  (torch.bfloat16, torch.float16)]
+# One tile; a few (one block); blockwise over many blocks; past the blockwise limit.
+SIZES = (4099, 40_009, 2_100_001)
 
 
 def operand(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
@@ -29,9 +35,11 @@ def operand(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
 
 
 def main() -> None:
+    # The gradient written in the forward, and placement, at every size, not only from 128 MiB.
+    functional.FUSED_GRADIENT_FROM_BYTES = 0
     cases = 0
     for (name, (fn, kwargs)), (in_dtype, tgt_dtype), reduction, offset, n in itertools.product(
-        LOSSES.items(), DTYPE_PAIRS, ("none", "mean", "sum"), (0, 1), (4099,)
+        LOSSES.items(), DTYPE_PAIRS, ("none", "mean", "sum"), (0, 1), SIZES[:1]
     ):
         input, target = operand(n, in_dtype, offset), operand(n, tgt_dtype, offset)
         # Reduced: the fused gradient scaled, then (the note of grad_output != 1 read
@@ -44,6 +52,15 @@ def main() -> None:
             fn(input, target, reduction=reduction, **kwargs)
         fn(input, target.detach(), reduction=reduction, **kwargs).sum().backward()
         cases += 1
+    for (name, (fn, kwargs)), n, autocast in itertools.product(LOSSES.items(), SIZES, (False, True)):
+        pairs = AUTOCAST_PAIRS if autocast else DTYPE_PAIRS[:1]
+        for (in_dtype, tgt_dtype), reduction in itertools.product(pairs, ("mean", "sum")):
+            input, target = operand(n, in_dtype, 0), operand(n, tgt_dtype, 0)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                with torch.no_grad():
+                    fn(input, target, reduction=reduction, **kwargs)
+                (fn(input, target, reduction=reduction, **kwargs) * 0.5).backward()
+            cases += 1
     torch.cuda.synchronize()
     print(f"sanitizer cases: {cases} configurations ran")
 

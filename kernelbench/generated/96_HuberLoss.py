@@ -1155,6 +1155,15 @@ constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
 }
 
+// A build may leave the autocast kernels out (the KernelBench files, which
+// compile every kernel in one translation unit); such a build rejects an
+// autocast problem with cudaErrorInvalidValue.
+#ifdef FUSEDLOSS_NO_AUTOCAST_KERNELS
+constexpr bool kAutocastKernels = false;
+#else
+constexpr bool kAutocastKernels = true;
+#endif
+
 // Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
 // taken only paired with fp64; the host code converts the other operand. A
 // problem under autocast is taken only by the launchers that instantiate
@@ -1169,7 +1178,7 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
       if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
         if (!p.autocast) {
           with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
-        } else if constexpr (kWithAutocast && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
+        } else if constexpr (kWithAutocast && kAutocastKernels && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
           with_loss(p.loss, [&](auto loss) { err = f(Float32Math<decltype(loss)>{}, in, tgt); });
         }
       }
@@ -1421,11 +1430,14 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kern
 // One block finishes at once; more write their copies to `block_sums` for
 // finish_blockwise_reduction_kernel. The sum is exact, so the result has the
 // bits the one-tile-per-block reduction gives.
+// Up to kSingleBlockMaxTiles tiles, one block: a second launch would cost the
+// host more than the block's walk costs the GPU.
 constexpr int64_t kBlockwiseMaxTiles = 1024;
+constexpr int64_t kSingleBlockMaxTiles = 8;
 constexpr int64_t kBlockwiseTilesPerBlock = 4;
 
 inline int64_t blockwise_blocks(int64_t tiles) {
-  return (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
+  return tiles <= kSingleBlockMaxTiles ? 1 : (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
 }
 
 template <class Op>
@@ -1728,7 +1740,7 @@ cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, b
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using Out = typename Op::Out;
     const int64_t tiles = num_tiles<Op>(p.numel);
-    const int64_t blocks = tiles == 0 ? 1 : blockwise_blocks(tiles);
+    const int64_t blocks = blockwise_blocks(tiles);
     Word* sums = static_cast<Word*>(block_sums);
     blockwise_reduced_loss_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(make_op<Op>(p), p.numel, tiles, sums,
                                                                               mean, static_cast<Out*>(out));
@@ -1770,7 +1782,8 @@ template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Wor
 """
 
 # The C++ standard is left to torch's cpp_extension, which picks the one its headers need.
-COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE]
+# The problems are float32 without autocast: the autocast kernels stay out of the one translation unit.
+COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS"]
 
 
 def load_kernels() -> str:

@@ -36,6 +36,15 @@ constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
 }
 
+// A build may leave the autocast kernels out (the KernelBench files, which
+// compile every kernel in one translation unit); such a build rejects an
+// autocast problem with cudaErrorInvalidValue.
+#ifdef FUSEDLOSS_NO_AUTOCAST_KERNELS
+constexpr bool kAutocastKernels = false;
+#else
+constexpr bool kAutocastKernels = true;
+#endif
+
 // Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
 // taken only paired with fp64; the host code converts the other operand. A
 // problem under autocast is taken only by the launchers that instantiate
@@ -50,7 +59,7 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
       if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
         if (!p.autocast) {
           with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
-        } else if constexpr (kWithAutocast && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
+        } else if constexpr (kWithAutocast && kAutocastKernels && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
           with_loss(p.loss, [&](auto loss) { err = f(Float32Math<decltype(loss)>{}, in, tgt); });
         }
       }

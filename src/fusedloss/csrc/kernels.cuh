@@ -28,11 +28,14 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kern
 // One block finishes at once; more write their copies to `block_sums` for
 // finish_blockwise_reduction_kernel. The sum is exact, so the result has the
 // bits the one-tile-per-block reduction gives.
+// Up to kSingleBlockMaxTiles tiles, one block: a second launch would cost the
+// host more than the block's walk costs the GPU.
 constexpr int64_t kBlockwiseMaxTiles = 1024;
+constexpr int64_t kSingleBlockMaxTiles = 8;
 constexpr int64_t kBlockwiseTilesPerBlock = 4;
 
 inline int64_t blockwise_blocks(int64_t tiles) {
-  return (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
+  return tiles <= kSingleBlockMaxTiles ? 1 : (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
 }
 
 template <class Op>

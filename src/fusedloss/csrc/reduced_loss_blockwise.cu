@@ -21,7 +21,7 @@ cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, b
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using Out = typename Op::Out;
     const int64_t tiles = num_tiles<Op>(p.numel);
-    const int64_t blocks = tiles == 0 ? 1 : blockwise_blocks(tiles);
+    const int64_t blocks = blockwise_blocks(tiles);
     Word* sums = static_cast<Word*>(block_sums);
     blockwise_reduced_loss_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(make_op<Op>(p), p.numel, tiles, sums,
                                                                               mean, static_cast<Out*>(out));
