@@ -327,3 +327,19 @@ def test_manual_cuda_graph_capture_of_a_training_step(name, gradient_in_backward
         graph.replay()
         expected = torch.autograd.grad(_loss(name, 1, input, target, "mean") * value, input)[0]
         torch.testing.assert_close(static_grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_compile_traces_the_same_graph_as_torch():
+    """Under torch.compile fusedloss traces torch.nn.functional's formula, so inductor can
+    fuse the loss with the model around it: the graph is F's, with no fusedloss op."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8)).cuda()
+    x, y = torch.randn(4, 16, device="cuda"), torch.randn(4, 8, device="cuda")
+    graphs = []
+    for name in LOSSES:
+        for fn in (LOSSES[name][0], LOSSES[name][1]):
+            torch._dynamo.reset()
+            explanation = torch._dynamo.explain(lambda a, b: fn(model(a), b))(x, y)
+            assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+            graphs.append([str(node.target) for node in explanation.graphs[0].graph.nodes])
+    for ours, theirs in zip(graphs[::2], graphs[1::2]):
+        assert ours == theirs and not any("fusedloss" in target for target in ours)

@@ -1247,6 +1247,8 @@ cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_
 // The kernels: each runs one op (loss_ops.cuh) over the tiles of its problem,
 // one tile per block (elementwise.cuh).
 
+#include <cooperative_groups.h>
+
 // Exact, order-free summation of a reduction's tile partials in a few hundred
 // bytes.
 //
@@ -1425,28 +1427,28 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kern
 }
 
 // A reduction with no gradient to write, of up to kBlockwiseMaxTiles tiles,
-// without zeroed scratch: each block walks every gridDim.x-th tile and adds
-// each tile's sum exactly into its own copy of the digits in shared memory.
-// One block finishes at once; more write their copies to `block_sums` for
-// finish_blockwise_reduction_kernel. The sum is exact, so the result has the
-// bits the one-tile-per-block reduction gives.
-// Up to kSingleBlockMaxTiles tiles, one block: a second launch would cost the
-// host more than the block's walk costs the GPU.
+// in one launch without zeroed scratch: each block walks every gridDim.x-th
+// tile and adds each tile's sum exactly into its own copy of the digits in
+// shared memory. One block rounds its copy into `out`. More blocks are
+// launched cooperatively: each stores its copy in `block_sums`, and after a
+// grid-wide barrier block 0 folds them word by word (the flags by OR, the
+// digits by addition, whose sum the spare bits of each word absorb, as in
+// ExactSum) and rounds. The sum is exact, so the result has the bits the
+// one-tile-per-block reduction gives.
 constexpr int64_t kBlockwiseMaxTiles = 1024;
-constexpr int64_t kSingleBlockMaxTiles = 8;
+// Up to kSingleBlockMaxTiles tiles, one block: a grid-wide barrier would cost
+// more than the block's walk.
+constexpr int64_t kSingleBlockMaxTiles = 4;
 constexpr int64_t kBlockwiseTilesPerBlock = 4;
-
-inline int64_t blockwise_blocks(int64_t tiles) {
-  return tiles <= kSingleBlockMaxTiles ? 1 : (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
-}
 
 template <class Op>
 __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(Op op, int64_t n, int64_t tiles,
                                                                                 Word* block_sums, bool mean,
                                                                                 typename Op::Out* out) {
   using Sum = ExactSum<typename Op::T>;
-  __shared__ Word words[Sum::kCopyWords];
-  for (int i = threadIdx.x; i < Sum::kCopyWords; i += kBlockThreads) words[i] = 0;
+  constexpr int kWords = Sum::kCopyWords;
+  __shared__ Word words[kWords];
+  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) words[i] = 0;
   __syncthreads();
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     op.sum = 0.0;
@@ -1456,37 +1458,23 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
     __syncthreads();  // the next tile's block_sum reuses its shared partials
   }
   if (gridDim.x > 1) {
-    for (int i = threadIdx.x; i < Sum::kCopyWords; i += kBlockThreads) {
-      block_sums[blockIdx.x * Sum::kCopyWords + i] = words[i];
+    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) block_sums[blockIdx.x * kWords + i] = words[i];
+    cooperative_groups::this_grid().sync();
+    if (blockIdx.x != 0) return;
+    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) {
+      Word folded = 0;
+      for (unsigned b = 0; b < gridDim.x; ++b) {
+        const Word w = block_sums[b * kWords + i];
+        folded = i == 0 ? (folded | w) : folded + w;
+      }
+      words[i] = folded;
     }
-  } else if (threadIdx.x == 0) {
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
     const double total = Sum::total(words, 1);
     // An empty mean is 0 / 0 = NaN, as in PyTorch.
     *out = Convert<typename Op::Out>::from(mean ? total / double(n) : total);
-  }
-}
-
-// Folds the blocks' copies word by word (the flags by OR, the digits by
-// addition: the spare bits of each word absorb the sum, as in ExactSum), then
-// rounds.
-template <typename T, typename Out>
-__global__ void __launch_bounds__(kBlockThreads) finish_blockwise_reduction_kernel(const Word* block_sums, int blocks,
-                                                                                    int64_t numel, bool mean,
-                                                                                    Out* out) {
-  constexpr int kWords = ExactSum<T>::kCopyWords;
-  __shared__ Word words[kWords];
-  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) {
-    Word folded = 0;
-    for (int b = 0; b < blocks; ++b) {
-      const Word w = block_sums[b * kWords + i];
-      folded = i == 0 ? (folded | w) : folded + w;
-    }
-    words[i] = folded;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const double total = ExactSum<T>::total(words, 1);
-    *out = Convert<Out>::from(mean ? total / double(numel) : total);
   }
 }
 
@@ -1717,17 +1705,52 @@ cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const 
 }
 
 }  // namespace fusedloss
-// launch_blockwise_reduction: a small or middling mean or sum in one or two
-// launches, with no scratch to zero (reduction_pass.cuh).
+// launch_blockwise_reduction: a small or middling mean or sum in one launch,
+// with no scratch to zero (reduction_pass.cuh).
+#include <algorithm>
+#include <array>
+#include <atomic>
+
 
 
 namespace fusedloss {
+namespace {
+
+// How many blocks of the kernel the current GPU holds at once, looked up once per device.
+template <class Op>
+int64_t resident_blocks() {
+  static std::array<std::atomic<int64_t>, 64> cache{};  // 0: not looked up yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= int(cache.size())) return 1;
+  int64_t blocks = cache[device].load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int sms = 0, per_sm = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, blockwise_reduced_loss_kernel<Op>, kBlockThreads, 0) !=
+            cudaSuccess) {
+      return 1;
+    }
+    blocks = std::max<int64_t>(1, int64_t(sms) * per_sm);
+    cache[device].store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
+// One block up to kSingleBlockMaxTiles tiles, else kBlockwiseTilesPerBlock
+// tiles each, no more than the GPU holds at once (a cooperative launch needs
+// them all resident).
+inline int64_t wanted_blocks(int64_t tiles) {
+  return tiles <= kSingleBlockMaxTiles ? 1 : (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
+}
+
+}  // namespace
 
 int64_t blockwise_scratch_bytes(const LossProblem& p) {
   int64_t bytes = 0;
   with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
-    const int64_t blocks = blockwise_blocks(num_tiles<Op>(p.numel));
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    const int64_t blocks = wanted_blocks(tiles);  // the launch may take fewer
     bytes = blocks > 1 ? blocks * ExactSum<typename Op::T>::kCopyWords * int64_t(sizeof(Word)) : 0;
     return cudaSuccess;
   });
@@ -1739,16 +1762,19 @@ cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, b
   return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using Out = typename Op::Out;
-    const int64_t tiles = num_tiles<Op>(p.numel);
-    const int64_t blocks = blockwise_blocks(tiles);
+    Op op = make_op<Op>(p);
+    int64_t n = p.numel;
+    int64_t tiles = num_tiles<Op>(n);
     Word* sums = static_cast<Word*>(block_sums);
-    blockwise_reduced_loss_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(make_op<Op>(p), p.numel, tiles, sums,
-                                                                              mean, static_cast<Out*>(out));
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess || blocks == 1) return err;
-    finish_blockwise_reduction_kernel<typename Op::T, Out><<<1, kBlockThreads, 0, stream>>>(
-        sums, int(blocks), p.numel, mean, static_cast<Out*>(out));
-    return cudaGetLastError();
+    Out* result = static_cast<Out*>(out);
+    const int64_t blocks = std::min(wanted_blocks(tiles), resident_blocks<Op>());
+    if (blocks == 1) {
+      blockwise_reduced_loss_kernel<Op><<<1, kBlockThreads, 0, stream>>>(op, n, tiles, sums, mean, result);
+      return cudaGetLastError();
+    }
+    void* args[] = {&op, &n, &tiles, &sums, &mean, &result};
+    return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(blockwise_reduced_loss_kernel<Op>),
+                                       dim3(unsigned(blocks)), dim3(kBlockThreads), args, 0, stream);
   });
 }
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._C import _functorch
 from torch.autograd import forward_ad
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
@@ -64,6 +63,7 @@ _pointwise_loss = torch.ops.fusedloss.pointwise_loss.default
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _16_BIT = (torch.float16, torch.bfloat16)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
+_MODES = ("mean", "sum", "none")
 _NO_GRADIENTS = [False, False]
 # From operands of this many bytes on (both together), a mean or sum may write
 # its gradient in the forward pass (gradient_placement). Below, a step is bound
@@ -84,19 +84,15 @@ def _kernels_apply(input: Tensor, target: Tensor) -> bool:
         and input.dtype in _KERNEL_DTYPES
         and target.dtype in _KERNEL_DTYPES
         and target.get_device() == input.get_device()
-        and not _under_a_transform(input, target)
+        and not _under_a_transform()
         and build.use_kernels()
     )
 
 
-def _under_a_transform(input: Tensor, target: Tensor) -> bool:
+def _under_a_transform() -> bool:
     """torch.func transforms (grad, vmap, jvp, jacrev, ...) and forward-mode AD: the fused
     operators have no rules for them, so such calls run PyTorch's formula, which has."""
-    return (
-        forward_ad._current_level >= 0
-        or _functorch.is_functorch_wrapped_tensor(input)
-        or _functorch.is_functorch_wrapped_tensor(target)
-    )
+    return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
 def _weight_kwargs(weight: Tensor | None) -> dict:
@@ -123,7 +119,7 @@ def _fused_loss(
         )
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
-    mode = _REDUCTION_NAMES[_reduction.get_enum(reduction)]
+    mode = reduction if reduction in _MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
     # CUDA autocast runs these losses in float32 (they are on its float32 list).

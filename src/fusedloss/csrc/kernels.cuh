@@ -2,6 +2,8 @@
 // one tile per block (elementwise.cuh).
 #pragma once
 
+#include <cooperative_groups.h>
+
 #include "exact_sum.cuh"
 #include "launch.h"
 #include "loss_ops.cuh"
@@ -23,28 +25,28 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kern
 }
 
 // A reduction with no gradient to write, of up to kBlockwiseMaxTiles tiles,
-// without zeroed scratch: each block walks every gridDim.x-th tile and adds
-// each tile's sum exactly into its own copy of the digits in shared memory.
-// One block finishes at once; more write their copies to `block_sums` for
-// finish_blockwise_reduction_kernel. The sum is exact, so the result has the
-// bits the one-tile-per-block reduction gives.
-// Up to kSingleBlockMaxTiles tiles, one block: a second launch would cost the
-// host more than the block's walk costs the GPU.
+// in one launch without zeroed scratch: each block walks every gridDim.x-th
+// tile and adds each tile's sum exactly into its own copy of the digits in
+// shared memory. One block rounds its copy into `out`. More blocks are
+// launched cooperatively: each stores its copy in `block_sums`, and after a
+// grid-wide barrier block 0 folds them word by word (the flags by OR, the
+// digits by addition, whose sum the spare bits of each word absorb, as in
+// ExactSum) and rounds. The sum is exact, so the result has the bits the
+// one-tile-per-block reduction gives.
 constexpr int64_t kBlockwiseMaxTiles = 1024;
-constexpr int64_t kSingleBlockMaxTiles = 8;
+// Up to kSingleBlockMaxTiles tiles, one block: a grid-wide barrier would cost
+// more than the block's walk.
+constexpr int64_t kSingleBlockMaxTiles = 4;
 constexpr int64_t kBlockwiseTilesPerBlock = 4;
-
-inline int64_t blockwise_blocks(int64_t tiles) {
-  return tiles <= kSingleBlockMaxTiles ? 1 : (tiles + kBlockwiseTilesPerBlock - 1) / kBlockwiseTilesPerBlock;
-}
 
 template <class Op>
 __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(Op op, int64_t n, int64_t tiles,
                                                                                 Word* block_sums, bool mean,
                                                                                 typename Op::Out* out) {
   using Sum = ExactSum<typename Op::T>;
-  __shared__ Word words[Sum::kCopyWords];
-  for (int i = threadIdx.x; i < Sum::kCopyWords; i += kBlockThreads) words[i] = 0;
+  constexpr int kWords = Sum::kCopyWords;
+  __shared__ Word words[kWords];
+  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) words[i] = 0;
   __syncthreads();
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     op.sum = 0.0;
@@ -54,37 +56,23 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
     __syncthreads();  // the next tile's block_sum reuses its shared partials
   }
   if (gridDim.x > 1) {
-    for (int i = threadIdx.x; i < Sum::kCopyWords; i += kBlockThreads) {
-      block_sums[blockIdx.x * Sum::kCopyWords + i] = words[i];
+    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) block_sums[blockIdx.x * kWords + i] = words[i];
+    cooperative_groups::this_grid().sync();
+    if (blockIdx.x != 0) return;
+    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) {
+      Word folded = 0;
+      for (unsigned b = 0; b < gridDim.x; ++b) {
+        const Word w = block_sums[b * kWords + i];
+        folded = i == 0 ? (folded | w) : folded + w;
+      }
+      words[i] = folded;
     }
-  } else if (threadIdx.x == 0) {
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
     const double total = Sum::total(words, 1);
     // An empty mean is 0 / 0 = NaN, as in PyTorch.
     *out = Convert<typename Op::Out>::from(mean ? total / double(n) : total);
-  }
-}
-
-// Folds the blocks' copies word by word (the flags by OR, the digits by
-// addition: the spare bits of each word absorb the sum, as in ExactSum), then
-// rounds.
-template <typename T, typename Out>
-__global__ void __launch_bounds__(kBlockThreads) finish_blockwise_reduction_kernel(const Word* block_sums, int blocks,
-                                                                                    int64_t numel, bool mean,
-                                                                                    Out* out) {
-  constexpr int kWords = ExactSum<T>::kCopyWords;
-  __shared__ Word words[kWords];
-  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) {
-    Word folded = 0;
-    for (int b = 0; b < blocks; ++b) {
-      const Word w = block_sums[b * kWords + i];
-      folded = i == 0 ? (folded | w) : folded + w;
-    }
-    words[i] = folded;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const double total = ExactSum<T>::total(words, 1);
-    *out = Convert<Out>::from(mean ? total / double(numel) : total);
   }
 }
 
