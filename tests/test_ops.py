@@ -202,6 +202,15 @@ def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
     monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8)
     fusedloss.mse_loss(x, torch.randn(1000, device=device)).backward()
     assert calls[1][0] == [True, False]
+    # A broadcast pair counts the broadcast elements: 1000 x 8 of them here.
+    x = torch.randn(1000, 1, device=device, requires_grad=True)
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8 * 8)
+    with pytest.warns(UserWarning):
+        fusedloss.mse_loss(x, torch.randn(8, device=device)).backward()
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8 * 8 + 1)
+    with pytest.warns(UserWarning):
+        fusedloss.mse_loss(x, torch.randn(8, device=device)).backward()
+    assert [mask for mask, _ in calls[2:]] == [[True, False], [False, False]]
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
