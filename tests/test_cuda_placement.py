@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 
-import fusedloss
 from fusedloss import build, formulas
 
 from conftest import LOSSES, assert_close_to_reference, heavy_tailed, loss_kwargs, requires_cuda

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 
 from fusedloss import functional
 
@@ -28,7 +27,7 @@ def _fns(name):
 
 
 def test_transforms_are_recognised():
-    x, y = torch.randn(3), torch.randn(3)
+    x = torch.randn(3)
     assert not functional._under_a_transform()
     seen = []
 
@@ -42,6 +41,7 @@ def test_transforms_are_recognised():
     with fwAD.dual_level():
         seen.append(functional._under_a_transform())
     assert seen == [True, True, True, True]
+    assert not functional._under_a_transform()  # and nothing is left active
 
 
 # ---- on the GPU: every loss and reduction against torch.nn.functional --------------------
