@@ -4,7 +4,10 @@ Losses x reductions x dtype pairs, forward and backward (input and target
 gradients, grad_output == 1 and != 1, written by the forward or recomputed in
 backward), 16-byte aligned and misaligned operands, lengths that leave a tail
 after the last full vector, reductions of one block and of many (blockwise and
-tile per block), and the autocast kernels that read 16-bit operands.
+tile per block), and the autocast kernels that read 16-bit operands; the
+weighted reductions with each weight layout (none, one value, a block of
+dimensions, the loss's own size, an expanded one) and scale on the host and on
+the device.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ LOSSES = {
     "l1": (fusedloss.l1_loss, {}),
     "smooth_l1": (fusedloss.smooth_l1_loss, {"beta": 0.5}),
     "huber": (fusedloss.huber_loss, {"delta": 2.0}),
+    "pseudo_huber": (fusedloss.pseudo_huber_loss, {"c": 0.5}),
 }
+WEIGHT_SHAPES = (None, (), (1, 7, 1), (1, 7, 13), (5, 1, 13))
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float16), (torch.float64, torch.float64)]
 AUTOCAST_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),
@@ -60,6 +65,20 @@ def main() -> None:
                 with torch.no_grad():
                     fn(input, target, reduction=reduction, **kwargs)
                 (fn(input, target, reduction=reduction, **kwargs) * 0.5).backward()
+            cases += 1
+    for (name, (fn, kwargs)), (in_dtype, tgt_dtype), weight_shape, scale, offset in itertools.product(
+        LOSSES.items(), DTYPE_PAIRS, WEIGHT_SHAPES, (0.5, "device"), (0, 1)
+    ):
+        input = operand(5 * 7 * 13, in_dtype, offset).view(5, 7, 13)
+        target = operand(5 * 7 * 13, tgt_dtype, offset).view(5, 7, 13)
+        weight = None if weight_shape is None else torch.rand(weight_shape, device="cuda")
+        s = torch.tensor(0.25, device="cuda") if scale == "device" else scale
+        for reduction, fused_from in itertools.product(("mean", "sum"), (0, 1 << 62)):
+            # The gradient written by the forward's pass, then recomputed in backward.
+            functional.FUSED_GRADIENT_FROM_BYTES = fused_from
+            (fn(input, target, reduction=reduction, weight=weight, scale=s, **kwargs) * 0.5).backward()
+            with torch.no_grad():
+                fn(input, target, reduction=reduction, weight=weight, scale=s, **kwargs)
             cases += 1
     torch.cuda.synchronize()
     print(f"sanitizer cases: {cases} configurations ran")

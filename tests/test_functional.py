@@ -53,10 +53,15 @@ def _assert_matches(out, expected):
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_signature_matches_torch(name):
+    """PyTorch's parameters in PyTorch's order, with its defaults; fusedloss's own are keyword-only."""
     ours, theirs, _ = LOSSES[name]
-    assert inspect.signature(ours).parameters.keys() == inspect.signature(theirs).parameters.keys()
-    for key, parameter in inspect.signature(theirs).parameters.items():
-        assert inspect.signature(ours).parameters[key].default == parameter.default
+    our_parameters = list(inspect.signature(ours).parameters.values())
+    their_parameters = list(inspect.signature(theirs).parameters.values())
+    assert [p.name for p in our_parameters[: len(their_parameters)]] == [p.name for p in their_parameters]
+    for ours_p, theirs_p in zip(our_parameters, their_parameters):
+        assert (ours_p.default, ours_p.kind) == (theirs_p.default, theirs_p.kind)
+    for extra in our_parameters[len(their_parameters):]:
+        assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is None
 
 
 @pytest.mark.parametrize("name", LOSSES)

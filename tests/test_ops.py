@@ -20,7 +20,7 @@ from fusedloss import ops  # noqa: F401
 from conftest import FLOAT_DTYPES, LOSSES, heavy_tailed, loss_kwargs, requires_cuda
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.75, "huber": 1.5}
+PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.75, "huber": 1.5, "pseudo_huber": 0.6}
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,7 @@ def kernels_loaded(request):
 
 def test_schemas():
     for name in ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_",
-                 "grad_output_history", "loss_gradients"):
+                 "grad_output_history", "loss_gradients", "weighted_loss", "weighted_loss_backward"):
         assert hasattr(torch.ops.fusedloss, name)
     schema = torch.ops.fusedloss.reduced_loss.default._schema
     assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask",
@@ -94,6 +94,22 @@ def test_opcheck(device, loss):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("weight_shape", [None, (), (5, 1), (1, 7), (5, 7)], ids=str)
+def test_opcheck_weighted(device, loss, weight_shape):
+    input, target, name, param = _sample_args(device, loss)
+    weight = None if weight_shape is None else torch.rand(weight_shape, device=device)
+    scale, divisor = torch.tensor(0.3, device=device), torch.tensor(4.0, dtype=torch.float64, device=device)
+    for mask in ([True, True], [True, False], [False, False]):
+        for scales in ((None, None, 1.0), (scale, divisor, 0.5)):
+            torch.library.opcheck(torch.ops.fusedloss.weighted_loss,
+                                  (input, target, weight, *scales, name, param, mask))
+    torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward,
+                          (torch.tensor(0.37, device=device), input.detach(), target.detach(), weight, scale, divisor,
+                           0.5, name, param, [True, True]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", functional.LOSSES)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_gradcheck_float64(device, loss, reduction):
     # Keep |input - target| away from the kinks so finite differences are valid.
@@ -112,6 +128,15 @@ def test_gradcheck_float64(device, loss, reduction):
 
     assert torch.autograd.gradcheck(fn, (input, target))
     assert torch.autograd.gradgradcheck(fn, (input, target))
+    if reduction != "none":
+        weight = torch.rand(4, 1, dtype=torch.float64, device=device) - 0.25  # of either sign
+
+        def weighted(input, target):
+            return torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 0.7, loss, PARAMS[loss],
+                                                     [True, True])[0]
+
+        assert torch.autograd.gradcheck(weighted, (input, target))
+        assert torch.autograd.gradgradcheck(weighted, (input, target))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -222,7 +247,7 @@ def test_loss_dtype_rule_matches_torch(dtype):
 
 
 def test_package_exports():
-    assert fusedloss.__all__ == ["huber_loss", "l1_loss", "mse_loss", "nn", "smooth_l1_loss"]
+    assert fusedloss.__all__ == ["huber_loss", "l1_loss", "mse_loss", "nn", "pseudo_huber_loss", "smooth_l1_loss"]
 
 
 @requires_cuda

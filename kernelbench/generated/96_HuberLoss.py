@@ -21,6 +21,8 @@ OP_SCHEMAS = {
     "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)",
     "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)",
     "scale_": "(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()",
+    "weighted_loss": "(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor, Tensor)",
+    "weighted_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)",
     "grad_output_history": "() -> Tensor",
 }
 
@@ -39,6 +41,7 @@ CPP_SOURCE = r"""// CUDA kernels for the fusedloss:: operators, whose schemas, f
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -63,12 +66,14 @@ CPP_SOURCE = r"""// CUDA kernels for the fusedloss:: operators, whose schemas, f
 // A new elementwise loss is one row here, one struct below, and its row in
 // fusedloss/functional.py (the Python side of the same table).
 
-// X(Name, "name"): the struct Name##Loss below, called "name" from Python.
-#define FUSEDLOSS_FOR_EACH_LOSS(X) \
-  X(Mse, "mse")                    \
-  X(L1, "l1")                      \
-  X(SmoothL1, "smooth_l1")         \
-  X(Huber, "huber")
+// X(Name, "name", "param"): the struct Name##Loss below, called "name" from
+// Python, and the name of its parameter, which must be > 0 ("": none).
+#define FUSEDLOSS_FOR_EACH_LOSS(X)         \
+  X(Mse, "mse", "")                        \
+  X(L1, "l1", "")                          \
+  X(SmoothL1, "smooth_l1", "beta")         \
+  X(Huber, "huber", "delta")               \
+  X(PseudoHuber, "pseudo_huber", "c")
 
 #ifdef __CUDACC__
 
@@ -141,6 +146,50 @@ struct HuberLoss {
   }
 };
 
+// Pseudo-Huber's root and its reciprocal, sqrt(d^2 + c^2) and 1 / that: in
+// float32 from the hardware's reciprocal square root (2 ulp), with the fast
+// division, which keep the bf16 pass from being bound by compute; exact in float64.
+template <typename T>
+struct PseudoHuberRoot {
+  T root, inverse;
+  __device__ __forceinline__ PseudoHuberRoot(T d, T c) {
+    const T square = d * d + c * c;
+    if constexpr (std::is_same_v<T, float>) {
+      inverse = rsqrtf(square);
+      root = isinf(square) ? square : square * inverse;
+    } else {
+      root = sqrt(square);
+      inverse = T(1) / root;
+    }
+  }
+  // a / b, for b >= c > 0: the fast division (2 ulp) in float32.
+  __device__ __forceinline__ static T quotient(T a, T b) {
+    if constexpr (std::is_same_v<T, float>) {
+      return __fdividef(a, b);
+    } else {
+      return a / b;
+    }
+  }
+};
+
+// Diffusers' scheduled Huber and Charbonnier: 2c(sqrt(d^2 + c^2) - c), c > 0.
+// Within |d| <= c it is written 2c d^2 / (sqrt(d^2 + c^2) + c), the same value
+// without the cancellation that loses small d's digits.
+struct PseudoHuberLoss {
+  static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
+  template <typename Out, typename T>
+  __device__ __forceinline__ static T value(T d, LossParam<T> c) {
+    const PseudoHuberRoot<T> r(d, c.value);
+    const T twice_c = c.value + c.value;
+    return fabs(d) <= c.value ? twice_c * r.quotient(d * d, r.root + c.value) : twice_c * (r.root - c.value);
+  }
+  template <typename T>
+  __device__ __forceinline__ static T grad(T d, LossParam<T> c) {
+    return (c.value + c.value) * d * PseudoHuberRoot<T>(d, c.value).inverse;
+  }
+};
+
 // A loss as CUDA autocast computes it (these losses are on its float32 list):
 // 16-bit operands read as float32, the loss and both gradients in float32,
 // each gradient rounded once into its operand's dtype when stored.
@@ -159,14 +208,37 @@ struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
 
 namespace fusedloss {
 
-#define FUSEDLOSS_LOSS_KIND(Name, name) k##Name,
+#define FUSEDLOSS_LOSS_KIND(Name, name, param) k##Name,
 enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 #undef FUSEDLOSS_LOSS_KIND
 
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
+// A multiplier that the weighted reductions read on the device, so that a
+// count kept on the GPU (a mask's sum, an all-reduced token count) costs no sync:
+// host * *scale / *divisor, each pointer a one-element tensor or null (1).
+struct DeviceScale {
+  double host = 1.0;
+  const void* scale = nullptr;
+  DType scale_dtype = DType::kFloat32;
+  const void* divisor = nullptr;
+  DType divisor_dtype = DType::kFloat32;
+};
+
+// A weight per element, read where it lies: element e's weight is
+// weight[(e / inner) % outer], a contiguous block of the loss's dimensions
+// with the weight broadcast over those before and after it; `dense`: a weight
+// of the loss's own size, weight[e]. In float32, or float64 with fp64
+// operands. Null: every weight is 1.
+struct ElementWeight {
+  const void* weight = nullptr;
+  int64_t inner = 1;
+  int64_t outer = 1;
+  bool dense = false;
+};
+
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
-// Smooth L1 (> 0) and delta for Huber; unused otherwise. With `autocast`, the
+// Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
 // operands read as they are (only the reductions take it, and only for the
 // pairs that reads_under_autocast names).
@@ -179,6 +251,9 @@ struct LossProblem {
   DType target_dtype;
   int64_t numel;
   bool autocast = false;
+  // The weighted reductions' only (launch_weighted_reduced_loss*).
+  ElementWeight weight;
+  DeviceScale scale;
 };
 
 // The pairs the reductions read directly under autocast: float16 or bfloat16
@@ -201,6 +276,21 @@ constexpr bool reads_under_autocast(DType input, DType target) {
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
+
+// A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
+// loss's dtype, and where the pointers are set the gradients (times weight and
+// scale) in the same pass. Each tile's sum goes to `partials`
+// (weighted_reduced_loss_partials doubles), which a second launch adds up in a
+// fixed order: the same bits on every run, with weights of either sign.
+int64_t weighted_reduced_loss_partials(const LossProblem& problem);
+cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
+                                         void* grad_target, void* out, cudaStream_t stream);
+
+// Its backward for a one-element `grad_output` in the loss's dtype: the
+// forward's gradients times grad_output, recomputed, with the bits that scaling
+// those in place gives.
+cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
+                                                  void* grad_input, void* grad_target, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -236,11 +326,20 @@ namespace fusedloss {
 namespace {
 
 LossKind parse_loss(c10::string_view name) {
-#define FUSEDLOSS_PARSE_LOSS(Name, text) \
+#define FUSEDLOSS_PARSE_LOSS(Name, text, param) \
   if (name == text) return LossKind::k##Name;
   FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARSE_LOSS)
 #undef FUSEDLOSS_PARSE_LOSS
   TORCH_CHECK(false, "fusedloss: unknown loss '", name, "'");
+}
+
+// The name of the loss's parameter, which must be > 0, or "" when it takes none.
+const char* param_name(LossKind kind) {
+#define FUSEDLOSS_PARAM_NAME(Name, text, param) \
+  if (kind == LossKind::k##Name) return param;
+  FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARAM_NAME)
+#undef FUSEDLOSS_PARAM_NAME
+  return "";
 }
 
 bool parse_mean(c10::string_view reduction) {
@@ -326,8 +425,9 @@ Operands prepare(const at::Tensor& input_as_given, const at::Tensor& target_as_g
               "fusedloss: input and target must be on the same CUDA device, got ", input.device(),
               " and ", target.device());
   const LossKind kind = parse_loss(loss);
-  TORCH_CHECK(kind != LossKind::kSmoothL1 || param > 0, "fusedloss: smooth_l1 needs beta > 0, got ", param);
-  TORCH_CHECK(kind != LossKind::kHuber || param > 0, "fusedloss: huber needs delta > 0, got ", param);
+  const char* param_needed = param_name(kind);
+  TORCH_CHECK(param_needed[0] == '\0' || param > 0, "fusedloss: ", loss, " needs ", param_needed, " > 0, got ",
+              param);
   (void)to_dtype(input.scalar_type());  // rejects dtypes the kernels don't take
   (void)to_dtype(target.scalar_type());
   // PyTorch computes Huber in the input's dtype (the target is converted to it),
@@ -461,6 +561,136 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
+// A weight as the weighted kernels read it (ElementWeight): in the loss's math
+// dtype, contiguous in its own shape when the dimensions it does not broadcast
+// over are one block of the loss's; other weights are expanded first.
+struct KernelWeight {
+  at::Tensor tensor;  // undefined: no weight
+  ElementWeight layout;
+};
+
+KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntArrayRef shape,
+                              at::ScalarType math_dtype, const at::Device& device) {
+  KernelWeight out;
+  if (!weight.has_value() || !weight->defined()) return out;
+  const at::Tensor& w = *weight;
+  TORCH_CHECK(w.device() == device, "fusedloss: the weight is on ", w.device(), ", expected ", device);
+  const int64_t rank = static_cast<int64_t>(shape.size());
+  const int64_t skip = rank - w.dim();
+  TORCH_CHECK(skip >= 0, "fusedloss: a weight of shape ", w.sizes(), " does not broadcast to the loss's shape ", shape);
+  // The loss's dimensions of size > 1 that the weight spans must be one block.
+  int64_t first = -1, last = -1;
+  bool block_ended = false, one_block = true;
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t size = i < skip ? 1 : w.size(i - skip);
+    TORCH_CHECK(size == shape[i] || size == 1, "fusedloss: a weight of shape ", w.sizes(),
+                " does not broadcast to the loss's shape ", shape);
+    if (shape[i] == 1) continue;
+    if (size == 1) {
+      block_ended = first >= 0;
+    } else {
+      one_block = one_block && !block_ended;
+      if (first < 0) first = i;
+      last = i;
+    }
+  }
+  at::Tensor stored = as_dtype(w, math_dtype);
+  if (!one_block) {
+    stored = stored.expand(shape);
+    first = 0;
+    last = rank - 1;
+  }
+  out.tensor = as_kernel_layout(stored);
+  // first < 0: one weight for every element.
+  int64_t inner = 1, outer = 1;
+  for (int64_t i = 0; i < rank; ++i) {
+    if (first < 0 || i > last) {
+      inner *= shape[i];
+    } else if (i >= first) {
+      outer *= shape[i];
+    }
+  }
+  inner = std::max<int64_t>(inner, 1);
+  const bool dense = inner == 1 && outer == c10::multiply_integers(shape);  // spans every dimension
+  out.layout = ElementWeight{out.tensor.data_ptr(), inner, outer, dense};
+  return out;
+}
+
+// A one-element multiplier on the device (DeviceScale), as a dtype the kernels read.
+at::Tensor as_device_scalar(const c10::optional<at::Tensor>& t, const at::Device& device) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  TORCH_CHECK(t->device() == device && t->numel() == 1, "fusedloss: scale and divisor are one-element tensors on ",
+              device, ", got ", t->sizes(), " on ", t->device());
+  const at::ScalarType dtype = t->scalar_type();
+  const bool readable = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+  return readable ? *t : t->to(at::kDouble);
+}
+
+struct WeightedProblem {
+  Operands ops;
+  KernelWeight weight;
+  at::Tensor scale, divisor;  // kept alive for the launch
+};
+
+WeightedProblem prepare_weighted(const at::Tensor& input, const at::Tensor& target,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+                                 const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss,
+                                 double param, bool autocast) {
+  WeightedProblem w;
+  w.ops = prepare(input, target, loss, param, autocast);
+  const at::ScalarType math = w.ops.loss_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  w.weight = as_kernel_weight(weight, w.ops.input.sizes(), math, input.device());
+  w.scale = as_device_scalar(scale, input.device());
+  w.divisor = as_device_scalar(divisor, input.device());
+  LossProblem& p = w.ops.problem;
+  p.weight = w.weight.layout;
+  p.scale.host = host_scale;
+  if (w.scale.defined()) {
+    p.scale.scale = w.scale.data_ptr();
+    p.scale.scale_dtype = to_dtype(w.scale.scalar_type());
+  }
+  if (w.divisor.defined()) {
+    p.scale.divisor = w.divisor.data_ptr();
+    p.scale.divisor_dtype = to_dtype(w.divisor.scalar_type());
+  }
+  return w;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss(
+    const at::Tensor& input, const at::Tensor& target, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& divisor, double host_scale,
+    c10::string_view loss, double param, std::array<bool, 2> output_mask, bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  const at::Tensor& operand = w.ops.input;
+  at::Tensor out = at::empty({}, operand.options().dtype(w.ops.loss_dtype));
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], operand);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  const int64_t partials = std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem));
+  at::Tensor partial_sums = at::empty({partials}, operand.options().dtype(at::kDouble));
+  C10_CUDA_CHECK(launch_weighted_reduced_loss(w.ops.problem, partial_sums.data_ptr<double>(),
+                                              data_or_null(grad_input), data_or_null(grad_target), out.data_ptr(),
+                                              c10::cuda::getCurrentCUDAStream()));
+  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+    const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss, double param,
+    std::array<bool, 2> output_mask, bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: weighted_loss_backward takes a one-element grad_output on ", input.device());
+  const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(w.ops.problem, go.data_ptr(), data_or_null(grad_input),
+                                                       data_or_null(grad_target), c10::cuda::getCurrentCUDAStream()));
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
               "fusedloss: scale_ takes a one-element scale on the tensor's device");
@@ -486,6 +716,8 @@ TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("reduced_loss", &reduced_loss);
   m.impl("reduced_loss_backward", &reduced_loss_backward);
   m.impl("scale_", &scale_);
+  m.impl("weighted_loss", &weighted_loss);
+  m.impl("weighted_loss_backward", &weighted_loss_backward);
 }
 
 // No tensor argument to dispatch on.
@@ -520,12 +752,14 @@ CUDA_SOURCE = r"""// launch_pointwise_loss: reduction='none' in one pass.
 // A new elementwise loss is one row here, one struct below, and its row in
 // fusedloss/functional.py (the Python side of the same table).
 
-// X(Name, "name"): the struct Name##Loss below, called "name" from Python.
-#define FUSEDLOSS_FOR_EACH_LOSS(X) \
-  X(Mse, "mse")                    \
-  X(L1, "l1")                      \
-  X(SmoothL1, "smooth_l1")         \
-  X(Huber, "huber")
+// X(Name, "name", "param"): the struct Name##Loss below, called "name" from
+// Python, and the name of its parameter, which must be > 0 ("": none).
+#define FUSEDLOSS_FOR_EACH_LOSS(X)         \
+  X(Mse, "mse", "")                        \
+  X(L1, "l1", "")                          \
+  X(SmoothL1, "smooth_l1", "beta")         \
+  X(Huber, "huber", "delta")               \
+  X(PseudoHuber, "pseudo_huber", "c")
 
 #ifdef __CUDACC__
 
@@ -598,6 +832,50 @@ struct HuberLoss {
   }
 };
 
+// Pseudo-Huber's root and its reciprocal, sqrt(d^2 + c^2) and 1 / that: in
+// float32 from the hardware's reciprocal square root (2 ulp), with the fast
+// division, which keep the bf16 pass from being bound by compute; exact in float64.
+template <typename T>
+struct PseudoHuberRoot {
+  T root, inverse;
+  __device__ __forceinline__ PseudoHuberRoot(T d, T c) {
+    const T square = d * d + c * c;
+    if constexpr (std::is_same_v<T, float>) {
+      inverse = rsqrtf(square);
+      root = isinf(square) ? square : square * inverse;
+    } else {
+      root = sqrt(square);
+      inverse = T(1) / root;
+    }
+  }
+  // a / b, for b >= c > 0: the fast division (2 ulp) in float32.
+  __device__ __forceinline__ static T quotient(T a, T b) {
+    if constexpr (std::is_same_v<T, float>) {
+      return __fdividef(a, b);
+    } else {
+      return a / b;
+    }
+  }
+};
+
+// Diffusers' scheduled Huber and Charbonnier: 2c(sqrt(d^2 + c^2) - c), c > 0.
+// Within |d| <= c it is written 2c d^2 / (sqrt(d^2 + c^2) + c), the same value
+// without the cancellation that loses small d's digits.
+struct PseudoHuberLoss {
+  static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
+  template <typename Out, typename T>
+  __device__ __forceinline__ static T value(T d, LossParam<T> c) {
+    const PseudoHuberRoot<T> r(d, c.value);
+    const T twice_c = c.value + c.value;
+    return fabs(d) <= c.value ? twice_c * r.quotient(d * d, r.root + c.value) : twice_c * (r.root - c.value);
+  }
+  template <typename T>
+  __device__ __forceinline__ static T grad(T d, LossParam<T> c) {
+    return (c.value + c.value) * d * PseudoHuberRoot<T>(d, c.value).inverse;
+  }
+};
+
 // A loss as CUDA autocast computes it (these losses are on its float32 list):
 // 16-bit operands read as float32, the loss and both gradients in float32,
 // each gradient rounded once into its operand's dtype when stored.
@@ -616,14 +894,37 @@ struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
 
 namespace fusedloss {
 
-#define FUSEDLOSS_LOSS_KIND(Name, name) k##Name,
+#define FUSEDLOSS_LOSS_KIND(Name, name, param) k##Name,
 enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 #undef FUSEDLOSS_LOSS_KIND
 
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
+// A multiplier that the weighted reductions read on the device, so that a
+// count kept on the GPU (a mask's sum, an all-reduced token count) costs no sync:
+// host * *scale / *divisor, each pointer a one-element tensor or null (1).
+struct DeviceScale {
+  double host = 1.0;
+  const void* scale = nullptr;
+  DType scale_dtype = DType::kFloat32;
+  const void* divisor = nullptr;
+  DType divisor_dtype = DType::kFloat32;
+};
+
+// A weight per element, read where it lies: element e's weight is
+// weight[(e / inner) % outer], a contiguous block of the loss's dimensions
+// with the weight broadcast over those before and after it; `dense`: a weight
+// of the loss's own size, weight[e]. In float32, or float64 with fp64
+// operands. Null: every weight is 1.
+struct ElementWeight {
+  const void* weight = nullptr;
+  int64_t inner = 1;
+  int64_t outer = 1;
+  bool dense = false;
+};
+
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
-// Smooth L1 (> 0) and delta for Huber; unused otherwise. With `autocast`, the
+// Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
 // operands read as they are (only the reductions take it, and only for the
 // pairs that reads_under_autocast names).
@@ -636,6 +937,9 @@ struct LossProblem {
   DType target_dtype;
   int64_t numel;
   bool autocast = false;
+  // The weighted reductions' only (launch_weighted_reduced_loss*).
+  ElementWeight weight;
+  DeviceScale scale;
 };
 
 // The pairs the reductions read directly under autocast: float16 or bfloat16
@@ -658,6 +962,21 @@ constexpr bool reads_under_autocast(DType input, DType target) {
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
+
+// A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
+// loss's dtype, and where the pointers are set the gradients (times weight and
+// scale) in the same pass. Each tile's sum goes to `partials`
+// (weighted_reduced_loss_partials doubles), which a second launch adds up in a
+// fixed order: the same bits on every run, with weights of either sign.
+int64_t weighted_reduced_loss_partials(const LossProblem& problem);
+cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
+                                         void* grad_target, void* out, cudaStream_t stream);
+
+// Its backward for a one-element `grad_output` in the loss's dtype: the
+// forward's gradients times grad_output, recomputed, with the bits that scaling
+// those in place gives.
+cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
+                                                  void* grad_input, void* grad_target, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -868,6 +1187,7 @@ __device__ __forceinline__ double block_sum(double v) {
 
 
 
+
 namespace fusedloss {
 
 // Which gradients a kernel writes, fixed at compile time: a kernel that might
@@ -884,6 +1204,82 @@ struct GradPointers {
     return kGrads == Grads::kInput || (kGrads == Grads::kInputAndTarget && grad_input != nullptr);
   }
   static constexpr bool kWritesTarget = kGrads == Grads::kInputAndTarget;
+};
+
+__device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return *static_cast<const float*>(p);
+    case DType::kFloat16: return __half2float(*static_cast<const __half*>(p));
+    case DType::kBFloat16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+    default: return *static_cast<const double*>(p);
+  }
+}
+
+// How a reduction weighs its elements, fixed at compile time: Unweighted (the
+// plain losses: nothing to load, nothing multiplied, the code of a loss with no
+// weight) or Weighted (an ElementWeight and a DeviceScale, read on the device).
+struct Unweighted {
+  static constexpr int kBlocksPerSm = fusedloss::kBlocksPerSm;
+  template <int W, typename T>
+  struct Values {};
+  template <int W, typename T>
+  __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
+  template <int W, typename T>
+  __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
+  template <typename T>
+  __device__ __forceinline__ void begin(T&) const {}
+};
+
+template <typename T>
+struct Weighted {
+  // The weights and the index walk need more than 32 registers a thread.
+  static constexpr int kBlocksPerSm = 6;
+  using Stored = T;  // float32, or float64 with fp64 operands (ElementWeight)
+  template <int W, typename V>
+  struct Values {
+    alignas(16) Stored w[W];
+  };
+
+  const Stored* __restrict__ weight;
+  int64_t inner;
+  int64_t outer;
+  bool dense;
+  DeviceScale scale;
+
+  __device__ __forceinline__ double factor() const {
+    double f = scale.host;
+    if (scale.scale != nullptr) f *= load_as_double(scale.scale, scale.scale_dtype);
+    if (scale.divisor != nullptr) f /= load_as_double(scale.divisor, scale.divisor_dtype);
+    return f;
+  }
+
+  // Element `first + k`'s weight: one division per chunk, then a walk.
+  template <int W, typename V>
+  __device__ __forceinline__ void load(Values<W, V>& v, int64_t first) const {
+    if (weight == nullptr) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) v.w[k] = Stored(1);
+    } else if (dense) {
+      load_chunk(v.w, weight, first);
+    } else {
+      const int64_t q = first / inner;
+      int64_t r = first - q * inner;
+      int64_t i = q % outer;
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        v.w[k] = weight[i];
+        if (++r == inner) {
+          r = 0;
+          if (++i == outer) i = 0;
+        }
+      }
+    }
+  }
+  template <int W, typename V>
+  __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
+  // The gradients' factor, the same in the forward's pass and in backward's.
+  template <typename V>
+  __device__ __forceinline__ void begin(V& grad_scale) const { grad_scale = V(factor()); }
 };
 
 // The vector width covers 16 bytes of the narrower operand; one chunk per
@@ -965,20 +1361,29 @@ struct PairOp {
 // writes gradients loads them one after the other (both at once spill at 32
 // registers), but its tiles and sums are the same, so the loss has the same
 // bits whichever gradients are written.
-template <class Loss, typename In, typename Tgt, Grads kGrads>
+template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   template <int W>
-  using Chunk = typename Base::template Chunk<W>;
+  struct Chunk : Base::template Chunk<W> {
+    typename Weights::template Values<W, T> weight;
+  };
   static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
   static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
+  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
   T grad_scale;
   double sum;
+  Weights weights;
+
+  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
 
   template <int W>
-  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
+    this->load_pair(c, first);
+    weights.load(c.weight, first);
+  }
 
   // One rounding from the fp32 product into each gradient's storage dtype; one
   // loop, so no value outlives its element (register pressure).
@@ -989,9 +1394,10 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     alignas(16) Tgt gt[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      chunk_sum += this->value(c.input[k], c.target[k]);
-      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
-      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
+      chunk_sum += Weights::times(c.weight, k, this->value(c.input[k], c.target[k]));
+      const T factor = Weights::times(c.weight, k, grad_scale);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -1066,19 +1472,28 @@ __device__ __forceinline__ S rounded_product(S v, T factor) {
 // input and target: the fused forward's gradients (times grad_scale, rounded)
 // times grad_output, rounded again, as scaling those in place does. Either way
 // gives the same bits.
-template <class Loss, typename In, typename Tgt, Grads kGrads>
+template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   using typename Base::Out;
   template <int W>
-  using Chunk = typename Base::template Chunk<W>;
+  struct Chunk : Base::template Chunk<W> {
+    typename Weights::template Values<W, T> weight;
+  };
 
+  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
   T grad_scale;
   const Out* __restrict__ grad_output;
+  Weights weights;
+
+  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
 
   template <int W>
-  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
+    this->load_pair(c, first);
+    weights.load(c.weight, first);
+  }
 
   template <int W>
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
@@ -1087,11 +1502,12 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     alignas(16) Tgt gt[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
+      const T factor = Weights::times(c.weight, k, grad_scale);
       if (this->writes_input()) {
-        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
+        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], factor), go);
       }
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
-        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
+        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], factor), go);
       }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -1141,7 +1557,7 @@ void with_dtype(DType dtype, F&& f) {
 
 template <class F>
 void with_loss(LossKind loss, F&& f) {
-#define FUSEDLOSS_LOSS_CASE(Name, name) \
+#define FUSEDLOSS_LOSS_CASE(Name, name, param) \
   case LossKind::k##Name: f(Name##Loss{}); break;
   switch (loss) { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_CASE) }
 #undef FUSEDLOSS_LOSS_CASE
@@ -1487,10 +1903,34 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
 // walks the tiles from the last: the forward just read those, so the first
 // ones this walk reads are still in L2.
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
-                                                                                            int32_t* history) {
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
+                                                                                                int32_t* history) {
   if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
+  op.begin();
   visit_tile(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+}
+
+// A weighted reduction's pass: each tile's sum (of either sign) into its slot
+// of `partials`, and the gradients the op writes.
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) weighted_reduced_loss_kernel(Op op, int64_t n,
+                                                                                                double* partials) {
+  op.begin();
+  op.sum = 0.0;
+  visit_tile(op, n);
+  const double total = block_sum(op.sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// The partials added in a fixed order, times the scale, rounded once.
+template <typename Out, class Weights>
+__global__ void __launch_bounds__(kBlockThreads) finish_weighted_reduction_kernel(const double* partials,
+                                                                                  int64_t count, Weights weights,
+                                                                                  Out* out) {
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kBlockThreads) sum += partials[i];
+  const double total = block_sum(sum);
+  if (threadIdx.x == 0) *out = Convert<Out>::from(total * weights.factor());
 }
 
 template <typename T, typename Out>
@@ -1503,15 +1943,6 @@ __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(cons
     const double total = ExactSum<T>::total(words, copies);
     // An empty mean is 0 / 0 = NaN, as in PyTorch.
     *out = Convert<Out>::from(mean ? total / double(numel) : total);
-  }
-}
-
-__device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return *static_cast<const float*>(p);
-    case DType::kFloat16: return __half2float(*static_cast<const __half*>(p));
-    case DType::kBFloat16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
-    default: return *static_cast<const double*>(p);
   }
 }
 
@@ -1803,6 +2234,131 @@ template cudaError_t launch_reduction_pass<Grads::kInput>(const LossProblem&, Wo
 namespace fusedloss {
 
 template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Word*, void*, void*, bool, cudaStream_t);
+
+}  // namespace fusedloss
+// launch_weighted_reduced_loss, and its read-only pass (weighted_reduction.cuh).
+// The weighted reductions (launch.h): the plain reductions' ops with a
+// Weighted policy. The pass for each Grads is instantiated in its own
+// translation unit (weighted_reduced_loss*.cu), so that they compile in parallel.
+
+
+
+
+namespace fusedloss {
+
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+using WeightedReducedLossOp = ReducedLossOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
+
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+using WeightedReducedLossBackwardOp = ReducedLossBackwardOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
+
+template <class Op>
+void set_weights(Op& op, const LossProblem& p) {
+  using Stored = typename decltype(op.weights)::Stored;
+  op.weights.weight = static_cast<const Stored*>(p.weight.weight);
+  op.weights.inner = p.weight.inner;
+  op.weights.outer = p.weight.outer;
+  op.weights.dense = p.weight.dense;
+  op.weights.scale = p.scale;
+}
+
+// The pass that sums each tile into `partials` and writes the gradients kGrads
+// names, then the launch that adds the partials up into `out`.
+template <Grads kGrads>
+cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
+                                 void* out, cudaStream_t stream);
+
+template <Grads kGrads>
+cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
+                                 void* out, cudaStream_t stream) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    Op op = make_op<Op>(p);
+    set_weights(op, p);
+    if (tiles > 0) {
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      weighted_reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, partials);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+    using Out = typename Op::Out;
+    finish_weighted_reduction_kernel<Out><<<1, kBlockThreads, 0, stream>>>(partials, tiles, op.weights,
+                                                                           static_cast<Out*>(out));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fusedloss
+
+
+namespace fusedloss {
+
+extern template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
+                                                                cudaStream_t);
+extern template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*,
+                                                                         void*, cudaStream_t);
+template cudaError_t launch_weighted_pass<Grads::kNone>(const LossProblem&, double*, void*, void*, void*,
+                                                        cudaStream_t);
+
+int64_t weighted_reduced_loss_partials(const LossProblem& p) {
+  int64_t tiles = 0;
+  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    // The tiles are the same whichever gradients are written.
+    tiles = num_tiles<WeightedReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
+    return cudaSuccess;
+  });
+  return tiles;
+}
+
+cudaError_t launch_weighted_reduced_loss(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
+                                         void* out, cudaStream_t stream) {
+  if (grad_target != nullptr) {
+    return launch_weighted_pass<Grads::kInputAndTarget>(p, partials, grad_input, grad_target, out, stream);
+  }
+  if (grad_input != nullptr) return launch_weighted_pass<Grads::kInput>(p, partials, grad_input, nullptr, out, stream);
+  return launch_weighted_pass<Grads::kNone>(p, partials, nullptr, nullptr, out, stream);
+}
+
+}  // namespace fusedloss
+// launch_weighted_reduced_loss_backward (weighted_reduction.cuh).
+
+
+namespace fusedloss {
+
+cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& p, const void* grad_output, void* grad_input,
+                                                  void* grad_target, cudaStream_t stream) {
+  return with_gradient_op<WeightedReducedLossBackwardOp, true>(p, grad_input, grad_target,
+                                                                [&](auto op, int64_t tiles) {
+    using Op = decltype(op);
+    set_weights(op, p);
+    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+    reduced_loss_backward_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, nullptr);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fusedloss
+// The weighted pass that also writes d loss / d target, and d loss / d input
+// where its pointer is set (weighted_reduction.cuh).
+
+
+namespace fusedloss {
+
+template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*, void*,
+                                                                  cudaStream_t);
+
+}  // namespace fusedloss
+// The weighted pass that also writes d loss / d input (weighted_reduction.cuh).
+
+
+namespace fusedloss {
+
+template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
+                                                         cudaStream_t);
 
 }  // namespace fusedloss
 """

@@ -14,6 +14,8 @@ with the ops around the loss), and everything when the kernels cannot be built
 
 from __future__ import annotations
 
+import inspect
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from torch.autograd import forward_ad
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import build, gradient_placement, ops
+from . import build, formulas, gradient_placement, ops
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,38 @@ LOSSES: dict[str, Loss] = {
         lambda d, delta: d.clamp(-delta, delta),
         keeps_input_dtype=True,
     ),
+    "pseudo_huber": Loss(
+        lambda i, t, reduction, c: _reduced(_pseudo_huber(i, t, c), reduction),
+        lambda d, c: 2 * c * d / torch.sqrt(d * d + c * c),
+    ),
 }
+
+def _pseudo_huber(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
+    """2c(sqrt(d^2 + c^2) - c) in at least float32 (as diffusers casts first), written as the
+    kernels write it: 2c d^2 / (sqrt(d^2 + c^2) + c) where |d| <= c, which keeps small d's
+    digits. Returned in the promoted dtype of the operands."""
+    d = input - target
+    x = d.to(torch.promote_types(d.dtype, torch.float32))
+    if isinstance(c, Tensor):
+        c = c.to(torch.promote_types(c.dtype, x.dtype))
+    root = torch.sqrt(x * x + c * c)
+    near = torch.where(x.abs() <= c, x * x / (root + c), root - c)
+    return (2 * c * near).to(d.dtype)
+
+
+def _reduced(per_element: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return per_element
+    if reduction == "sum":
+        return per_element.sum()
+    if reduction == "mean":
+        return per_element.mean()
+    raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
+
 
 _reduced_loss = torch.ops.fusedloss.reduced_loss.default
 _pointwise_loss = torch.ops.fusedloss.pointwise_loss.default
+_weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _16_BIT = (torch.float16, torch.bfloat16)
@@ -93,11 +123,6 @@ def _under_a_transform() -> bool:
     """torch.func transforms (grad, vmap, jvp, jacrev, ...) and forward-mode AD: the fused
     operators have no rules for them, so such calls run PyTorch's formula, which has."""
     return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
-
-
-def _weight_kwargs(weight: Tensor | None) -> dict:
-    # torch < 2.6 has no `weight` argument; pass it on only when given.
-    return {} if weight is None else {"weight": weight}
 
 
 def _fused_loss(
@@ -138,6 +163,170 @@ def _fused_loss(
     return _reduced_loss(input, target, loss, param, mode, output_mask, slot, autocast)[0]
 
 
+def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
+    """Raises unless the weight broadcasts to the loss's shape without widening it."""
+    fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
+    if not fits:
+        raise ValueError(f"fusedloss: a weight of shape {tuple(weight.shape)} does not broadcast to the loss's "
+                         f"shape {tuple(shape)}")
+
+
+def _scale_value(scale: float | Tensor | None) -> None:
+    if isinstance(scale, Tensor) and scale.dim() != 0:
+        raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}")
+
+
+def _needs_grad(t: Tensor | float | None) -> bool:
+    return isinstance(t, Tensor) and t.requires_grad and torch.is_grad_enabled()
+
+
+def _fused_weighted_applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None,
+                            loss_dtype: torch.dtype) -> bool:
+    """The weighted kernels take no gradient for the weight or a scale tensor, and read
+    a weight of any real dtype but float64 with narrower operands (they hold it in float32)."""
+    weight_fits = weight is None or (
+        isinstance(weight, Tensor)
+        and not has_torch_function_variadic(weight)
+        and weight.device == input.device
+        and not weight.is_complex()
+        and (weight.dtype != torch.float64 or loss_dtype == torch.float64)
+        and not _needs_grad(weight)
+    )
+    scale_fits = not isinstance(scale, Tensor) or (
+        not has_torch_function_variadic(scale)
+        and scale.device in (input.device, torch.device("cpu"))
+        and not scale.is_complex()
+        and not _needs_grad(scale)
+    )
+    return weight_fits and scale_fits
+
+
+def _weighted_loss(
+    loss: str,
+    param: float,
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None,
+    reduce: bool | None,
+    reduction: str,
+    weight: Tensor | None,
+    scale: float | Tensor | None,
+    unweighted: Callable[[Tensor, Tensor, str], Tensor],
+    torch_weighted: Callable[..., Tensor] | None = None,
+    fusable: bool = True,
+) -> Tensor:
+    """A loss given weight= or scale= (see the public functions): one fused pass where the
+    kernels apply, else torch operations around `unweighted` (the loss with reduction='none').
+    `torch_weighted` is torch.nn.functional's own weighted loss, where PyTorch has one."""
+    _scale_value(scale)
+    # PyTorch's own weighted loss (a weight of the input's size): its values, errors and
+    # mean, whose denominator sums the weight as given, also where the target broadcasts it.
+    pytorch_case = (torch_weighted is not None and isinstance(weight, Tensor) and weight.size() == input.size())
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    shape = input.shape if target.shape == input.shape else torch.broadcast_shapes(input.shape, target.shape)
+    if weight is not None:
+        _weight_broadcasts(weight, shape)
+    if reduction not in _MODES:
+        raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
+    if fusable and reduction != "none" and _kernels_apply(input, target):
+        autocast = (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled("cuda")
+        loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
+        if _fused_weighted_applies(input, target, weight, scale, loss_dtype):
+            return _fused_weighted_loss(loss, param, input, target, shape, reduction, weight, scale, autocast,
+                                        loss_dtype, pytorch_case)
+    if pytorch_case:
+        out = torch_weighted(input, target, reduction, param, weight)
+    else:
+        out = unweighted(input, target, "none")
+        if weight is not None:
+            if weight.is_floating_point():
+                out = out.to(torch.promote_types(out.dtype, weight.dtype))  # a 0-d weight too
+            out = out * weight
+        if reduction == "sum":
+            out = out.sum()
+        elif reduction == "mean":
+            out = out.mean() if weight is None or loss == "huber" else out.sum() / _expanded_sum(weight, shape, out)
+    if scale is None:
+        return out
+    return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
+
+
+def _expanded_sum(weight: Tensor, shape: torch.Size, like: Tensor) -> Tensor:
+    """The sum of the weight expanded to `shape`, in float64, without expanding it, in `like`'s dtype."""
+    multiplicity = shape.numel() // weight.numel() if weight.numel() else 0
+    return (weight.sum(dtype=torch.float64) * multiplicity).to(like.dtype)
+
+
+def _fused_weighted_loss(
+    loss: str,
+    param: float,
+    input: Tensor,
+    target: Tensor,
+    shape: torch.Size,
+    reduction: str,
+    weight: Tensor | None,
+    scale: float | Tensor | None,
+    autocast: bool,
+    loss_dtype: torch.dtype,
+    pytorch_case: bool,
+) -> Tensor:
+    if target.shape != input.shape:
+        warnings.warn(
+            f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
+            "This will likely lead to incorrect results due to broadcasting. "
+            "Please ensure they have the same size.",
+            stacklevel=4,
+        )
+    numel = shape.numel()
+    # A weight that widens the loss's dtype (bf16 operands, a float32 weight) makes it
+    # float32: the autocast kernels' math, which reads 16-bit operands as float32.
+    result_dtype = loss_dtype
+    if weight is not None and weight.is_floating_point():
+        result_dtype = torch.promote_types(loss_dtype, weight.dtype)
+    float32_math = autocast or (result_dtype == torch.float32 and loss_dtype in _16_BIT)
+    device_scale, divisor, host_scale = None, None, 1.0
+    if isinstance(scale, Tensor) and scale.device == input.device:
+        device_scale = scale
+    elif scale is not None:
+        host_scale = float(scale)  # a number, or a CPU tensor: no device to wait for
+    if reduction == "mean":
+        if numel == 0:
+            host_scale = math.nan  # 0 / 0, as PyTorch's mean of nothing
+        elif weight is None or loss == "huber":
+            host_scale /= numel
+        else:
+            # The sum of the weight expanded to the loss's shape, without expanding it
+            # (as given, in PyTorch's own case).
+            divisor = weight.sum(dtype=torch.float64)
+            if not pytorch_case:
+                host_scale /= numel // weight.numel()
+    output_mask = _NO_GRADIENTS
+    if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
+        if numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES:
+            output_mask = [input.requires_grad, target.requires_grad]
+    return _weighted_loss_op(input, target, weight, device_scale, divisor, host_scale, loss, param, output_mask,
+                             float32_math)[0]
+
+
+def _torch_weighted(name: str) -> Callable[..., Tensor] | None:
+    """torch.nn.functional's own weighted loss (torch >= 2.6), as (input, target, reduction, param, weight)."""
+    function = getattr(F, name)
+    if "weight" not in inspect.signature(function).parameters:
+        return None
+    if name == "huber_loss":
+        return lambda i, t, reduction, delta, w: F.huber_loss(i, t, reduction=reduction, delta=delta, weight=w)
+    return lambda i, t, reduction, _, w: function(i, t, reduction=reduction, weight=w)
+
+
+TORCH_WEIGHTED = {
+    loss: function
+    for loss, function in (("mse", _torch_weighted("mse_loss")), ("l1", _torch_weighted("l1_loss")),
+                           ("huber", _torch_weighted("huber_loss")))
+    if function is not None
+}
+
+
 def mse_loss(
     input: Tensor,
     target: Tensor,
@@ -145,10 +334,17 @@ def mse_loss(
     reduce: bool | None = None,
     reduction: str = "mean",
     weight: Tensor | None = None,
+    *,
+    scale: float | Tensor | None = None,
 ) -> Tensor:
-    """Mean squared error, as ``torch.nn.functional.mse_loss``."""
-    if weight is not None or not _kernels_apply(input, target):
-        return F.mse_loss(input, target, size_average, reduce, reduction, **_weight_kwargs(weight))
+    """Mean squared error, as ``torch.nn.functional.mse_loss``; ``weight`` and ``scale``
+    as described in this module's docstring (a broadcast weight and ``scale`` are
+    fusedloss's extensions)."""
+    if weight is not None or scale is not None:
+        return _weighted_loss("mse", 0.0, input, target, size_average, reduce, reduction, weight, scale,
+                              lambda i, t, r: mse_loss(i, t, reduction=r), TORCH_WEIGHTED.get("mse"))
+    if not _kernels_apply(input, target):
+        return F.mse_loss(input, target, size_average, reduce, reduction)
     return _fused_loss("mse", 0.0, input, target, size_average, reduce, reduction)
 
 
@@ -159,10 +355,16 @@ def l1_loss(
     reduce: bool | None = None,
     reduction: str = "mean",
     weight: Tensor | None = None,
+    *,
+    scale: float | Tensor | None = None,
 ) -> Tensor:
-    """Mean absolute error, as ``torch.nn.functional.l1_loss``."""
-    if weight is not None or not _kernels_apply(input, target):
-        return F.l1_loss(input, target, size_average, reduce, reduction, **_weight_kwargs(weight))
+    """Mean absolute error, as ``torch.nn.functional.l1_loss``; ``weight`` and ``scale``
+    as described in this module's docstring."""
+    if weight is not None or scale is not None:
+        return _weighted_loss("l1", 0.0, input, target, size_average, reduce, reduction, weight, scale,
+                              lambda i, t, r: l1_loss(i, t, reduction=r), TORCH_WEIGHTED.get("l1"))
+    if not _kernels_apply(input, target):
+        return F.l1_loss(input, target, size_average, reduce, reduction)
     return _fused_loss("l1", 0.0, input, target, size_average, reduce, reduction)
 
 
@@ -173,8 +375,18 @@ def smooth_l1_loss(
     reduce: bool | None = None,
     reduction: str = "mean",
     beta: float = 1.0,
+    *,
+    weight: Tensor | None = None,
+    scale: float | Tensor | None = None,
 ) -> Tensor:
-    """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1."""
+    """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1.
+    ``weight`` (fusedloss's extension: PyTorch has none for this loss) and ``scale`` as
+    described in this module's docstring; a weighted mean divides by the weight's sum."""
+    if weight is not None or scale is not None:
+        if not (beta >= 0):
+            return F.smooth_l1_loss(input, target, reduction=reduction, beta=beta)  # PyTorch's error
+        return _weighted_loss("smooth_l1" if beta > 0 else "l1", float(beta), input, target, size_average, reduce,
+                              reduction, weight, scale, lambda i, t, r: smooth_l1_loss(i, t, reduction=r, beta=beta))
     if not (beta >= 0) or not _kernels_apply(input, target):
         return F.smooth_l1_loss(input, target, size_average, reduce, reduction, beta=beta)
     return _fused_loss("smooth_l1", float(beta), input, target, size_average, reduce, reduction)
@@ -186,8 +398,58 @@ def huber_loss(
     reduction: str = "mean",
     delta: float = 1.0,
     weight: Tensor | None = None,
+    *,
+    scale: float | Tensor | None = None,
 ) -> Tensor:
-    """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype."""
-    if not (delta > 0) or weight is not None or not _kernels_apply(input, target):
-        return F.huber_loss(input, target, reduction=reduction, delta=delta, **_weight_kwargs(weight))
+    """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype. A
+    weighted mean divides by N, as PyTorch's does; ``scale`` as in this module's docstring."""
+    if weight is not None or scale is not None:
+        if not (delta > 0):
+            return F.huber_loss(input, target, reduction=reduction, delta=delta)  # PyTorch's error
+        return _weighted_loss("huber", float(delta), input, target, None, None, reduction, weight, scale,
+                              lambda i, t, r: huber_loss(i, t, reduction=r, delta=delta),
+                              TORCH_WEIGHTED.get("huber"))
+    if not (delta > 0) or not _kernels_apply(input, target):
+        return F.huber_loss(input, target, reduction=reduction, delta=delta)
     return _fused_loss("huber", float(delta), input, target, None, None, reduction)
+
+
+def pseudo_huber_loss(
+    input: Tensor,
+    target: Tensor,
+    c: float | Tensor = 1.0,
+    reduction: str = "mean",
+    weight: Tensor | None = None,
+    *,
+    scale: float | Tensor | None = None,
+) -> Tensor:
+    """Pseudo-Huber (Charbonnier) loss, ``2c(sqrt(d^2 + c^2) - c)`` per element for
+    d = input - target, as diffusers' scheduled-Huber training computes it: about d^2
+    near 0, about 2c|d| far from it. fusedloss's own loss, not PyTorch's Huber.
+
+    ``c`` is a float > 0 (fused; ValueError otherwise) or a tensor that broadcasts to the
+    loss's shape, such as a per-sample c (computed with torch operations; its values are
+    not checked, as that would wait for the GPU). The result has the operands'
+    promoted dtype (float32 under CUDA autocast). ``weight`` and ``scale`` as in this
+    module's docstring; a weighted mean divides by the weight's sum.
+    """
+    if reduction not in _MODES:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if not isinstance(c, Tensor) and not c > 0:
+        raise ValueError(f"fusedloss: pseudo_huber_loss needs c > 0, got {c}")
+    fused_c = not isinstance(c, Tensor)
+    if weight is not None or scale is not None:
+        if fused_c:
+            return _weighted_loss("pseudo_huber", float(c), input, target, None, None, reduction, weight, scale,
+                                  lambda i, t, r: pseudo_huber_loss(i, t, c, reduction=r))
+        return _weighted_loss("pseudo_huber", 0.0, input, target, None, None, reduction, weight, scale,
+                              lambda i, t, r: _pseudo_huber_formula(i, t, c), fusable=False)
+    if not fused_c or not _kernels_apply(input, target):
+        return _reduced(_pseudo_huber_formula(input, target, c), reduction)
+    return _fused_loss("pseudo_huber", float(c), input, target, None, None, reduction)
+
+
+def _pseudo_huber_formula(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
+    if (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled(input.device.type):
+        input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)
+    return _pseudo_huber(input, target, c)

@@ -23,6 +23,15 @@ broadcast shape and autograd sums them to each operand's own shape.
   ``reduced_loss_backward`` record, at ``history_slot`` (-1: nowhere), whether
   grad_output was 1 (CUDA only; see ``gradient_placement``). The forward takes
   the slot for its backward.
+- ``weighted_loss`` / ``weighted_loss_backward``: ``host_scale * scale / divisor
+  * sum_e weight_e * loss_e`` (``scale`` and ``divisor`` one-element tensors read
+  on the device, or None), and its gradients, fused into the forward's pass as
+  ``reduced_loss``'s are when ``output_mask`` asks. ``weight`` broadcasts to the
+  operands' shape and is read where it lies. Neither takes a gradient for
+  ``weight``, ``scale`` or ``divisor`` (``functional`` computes those cases with
+  torch operations).
+- ``weighted_loss_gradients``: weighted_loss's gradients as a composite of
+  torch operations, for ``create_graph=True``.
 - ``loss_gradients``: the same gradients as a composite of torch operations,
   which autograd can differentiate again (``create_graph=True``).
 
@@ -61,6 +70,19 @@ _lib.define(
 _lib.define(
     "loss_gradients(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
     "bool autocast=False) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, "
+    "str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "weighted_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
+    "Tensor? divisor, float host_scale, str loss, float param, bool[2] output_mask, bool autocast=False) "
+    "-> (Tensor, Tensor)"
+)
+_lib.define(
+    "weighted_loss_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
+    "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False) -> (Tensor, Tensor)"
 )
 _lib.define("scale_(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()")
 _lib.define("grad_output_history() -> Tensor")
@@ -136,6 +158,28 @@ def _reduced_loss_backward_fake(
     return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
 
 
+@torch.library.register_fake("fusedloss::weighted_loss")
+def _weighted_loss_fake(
+    input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
+    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
+    return out, _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
+@torch.library.register_fake("fusedloss::weighted_loss_backward")
+def _weighted_loss_backward_fake(
+    grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
+    divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
+    autocast: bool = False,
+) -> tuple[Tensor, Tensor]:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
 @torch.library.register_fake("fusedloss::scale_")
 def _scale_fake(self: Tensor, scale: Tensor, history_slot: int = -1) -> None:
     _load_kernels_for(self.device)
@@ -195,6 +239,61 @@ def _reduced_loss_backward_cpu(
     scale = _reduction_scale(reduction, input, target)
     grad_input, grad_target = _gradients_cpu(scale, input, target, loss, param, output_mask, autocast)
     return grad_input * grad_output, grad_target * grad_output
+
+
+def weighted_factor(scale: Tensor | None, divisor: Tensor | None, host_scale: float) -> Tensor | float:
+    """host_scale * scale / divisor, in float64: the weighted reductions' multiplier."""
+    factor: Tensor | float = host_scale
+    if scale is not None:
+        factor = scale.reshape(()).double() * factor
+    if divisor is not None:
+        factor = factor / divisor.reshape(()).double()
+    return factor
+
+
+@torch.library.impl(_lib, "weighted_loss_gradients", "CompositeImplicitAutograd")
+def weighted_gradients(
+    grad_output: Tensor | float, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
+    divisor: Tensor | None, host_scale: float, loss: str, param: float, autocast: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """d loss / d input and d loss / d target of weighted_loss times grad_output, in the
+    broadcast shape, with torch operations (differentiable: create_graph=True)."""
+    operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+    grad = formulas.loss_grad(*operands, loss, param)
+    factor = weighted_factor(scale, divisor, host_scale)
+    per_element = factor if weight is None else weight.to(torch.float64) * factor
+    grad = (grad.to(torch.float64) * per_element).to(grad.dtype) * grad_output
+    return grad.to(input.dtype), (-grad).to(target.dtype)
+
+
+@torch.library.impl(_lib, "weighted_loss", "CPU")
+def _weighted_loss_cpu(
+    input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
+    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+    per_element = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
+    if weight is not None:
+        per_element = per_element * weight.to(torch.float64)
+    out = (per_element.sum() * weighted_factor(scale, divisor, host_scale)).to(_loss_dtype(input, target, loss, autocast))
+    grad_input, grad_target = weighted_gradients(1.0, input, target, weight, scale, divisor, host_scale, loss, param,
+                                                 autocast)
+    shape = grad_input.shape
+    return (out, grad_input if output_mask[0] else _grad_buffer(False, input, shape),
+            grad_target if output_mask[1] else _grad_buffer(False, target, shape))
+
+
+@torch.library.impl(_lib, "weighted_loss_backward", "CPU")
+def _weighted_loss_backward_cpu(
+    grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
+    divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
+    autocast: bool = False,
+) -> tuple[Tensor, Tensor]:
+    grad_input, grad_target = weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale,
+                                                 loss, param, autocast)
+    shape = grad_input.shape
+    return (grad_input if output_mask[0] else _grad_buffer(False, input, shape),
+            grad_target if output_mask[1] else _grad_buffer(False, target, shape))
 
 
 @torch.library.impl(_lib, "scale_", "CPU")
@@ -290,6 +389,44 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
             None, None, None, None, None, None)
 
 
+def _weighted_setup_context(ctx, inputs, output) -> None:
+    input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast = inputs
+    ctx.arguments = (host_scale, loss, param, autocast)
+    ctx.output_mask = output_mask
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(input, target, weight, scale, divisor)
+    ctx.fused_gradients = tuple(g.detach() for g in output[1:])  # as in _reduced_setup_context
+
+
+def _weighted_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad_target):
+    if any(ctx.needs_input_grad[2:5]):
+        raise RuntimeError("fusedloss::weighted_loss has no gradient for weight, scale or divisor; "
+                           "fusedloss's loss functions compute those with torch operations")
+    if grad is None:
+        return (None,) * 10
+    input, target, weight, scale, divisor = ctx.saved_tensors
+    host_scale, loss, param, autocast = ctx.arguments
+    needs = ctx.needs_input_grad[:2]
+    fused = ctx.fused_gradients
+    if torch.is_grad_enabled():
+        grad_input, grad_target = torch.ops.fusedloss.weighted_loss_gradients(
+            grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
+    elif fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
+        ctx.fused_gradients = None  # scaled in place: the first backward only
+        grad_input = _scaled(fused[0], grad, -1) if needs[0] else None
+        grad_target = _scaled(fused[1], grad, -1) if needs[1] else None
+    else:
+        grad_input, grad_target = torch.ops.fusedloss.weighted_loss_backward(
+            grad, input, target, weight, scale, divisor, host_scale, loss, param, [bool(needs[0]), bool(needs[1])],
+            autocast,
+        )
+    return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
+            *(None,) * 8)
+
+
+torch.library.register_autograd(
+    "fusedloss::weighted_loss", _weighted_backward, setup_context=_weighted_setup_context
+)
 torch.library.register_autograd(
     "fusedloss::pointwise_loss", _pointwise_backward, setup_context=_pointwise_setup_context
 )

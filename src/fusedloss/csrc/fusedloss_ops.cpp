@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,11 +22,20 @@ namespace fusedloss {
 namespace {
 
 LossKind parse_loss(c10::string_view name) {
-#define FUSEDLOSS_PARSE_LOSS(Name, text) \
+#define FUSEDLOSS_PARSE_LOSS(Name, text, param) \
   if (name == text) return LossKind::k##Name;
   FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARSE_LOSS)
 #undef FUSEDLOSS_PARSE_LOSS
   TORCH_CHECK(false, "fusedloss: unknown loss '", name, "'");
+}
+
+// The name of the loss's parameter, which must be > 0, or "" when it takes none.
+const char* param_name(LossKind kind) {
+#define FUSEDLOSS_PARAM_NAME(Name, text, param) \
+  if (kind == LossKind::k##Name) return param;
+  FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARAM_NAME)
+#undef FUSEDLOSS_PARAM_NAME
+  return "";
 }
 
 bool parse_mean(c10::string_view reduction) {
@@ -111,8 +121,9 @@ Operands prepare(const at::Tensor& input_as_given, const at::Tensor& target_as_g
               "fusedloss: input and target must be on the same CUDA device, got ", input.device(),
               " and ", target.device());
   const LossKind kind = parse_loss(loss);
-  TORCH_CHECK(kind != LossKind::kSmoothL1 || param > 0, "fusedloss: smooth_l1 needs beta > 0, got ", param);
-  TORCH_CHECK(kind != LossKind::kHuber || param > 0, "fusedloss: huber needs delta > 0, got ", param);
+  const char* param_needed = param_name(kind);
+  TORCH_CHECK(param_needed[0] == '\0' || param > 0, "fusedloss: ", loss, " needs ", param_needed, " > 0, got ",
+              param);
   (void)to_dtype(input.scalar_type());  // rejects dtypes the kernels don't take
   (void)to_dtype(target.scalar_type());
   // PyTorch computes Huber in the input's dtype (the target is converted to it),
@@ -246,6 +257,136 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
+// A weight as the weighted kernels read it (ElementWeight): in the loss's math
+// dtype, contiguous in its own shape when the dimensions it does not broadcast
+// over are one block of the loss's; other weights are expanded first.
+struct KernelWeight {
+  at::Tensor tensor;  // undefined: no weight
+  ElementWeight layout;
+};
+
+KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntArrayRef shape,
+                              at::ScalarType math_dtype, const at::Device& device) {
+  KernelWeight out;
+  if (!weight.has_value() || !weight->defined()) return out;
+  const at::Tensor& w = *weight;
+  TORCH_CHECK(w.device() == device, "fusedloss: the weight is on ", w.device(), ", expected ", device);
+  const int64_t rank = static_cast<int64_t>(shape.size());
+  const int64_t skip = rank - w.dim();
+  TORCH_CHECK(skip >= 0, "fusedloss: a weight of shape ", w.sizes(), " does not broadcast to the loss's shape ", shape);
+  // The loss's dimensions of size > 1 that the weight spans must be one block.
+  int64_t first = -1, last = -1;
+  bool block_ended = false, one_block = true;
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t size = i < skip ? 1 : w.size(i - skip);
+    TORCH_CHECK(size == shape[i] || size == 1, "fusedloss: a weight of shape ", w.sizes(),
+                " does not broadcast to the loss's shape ", shape);
+    if (shape[i] == 1) continue;
+    if (size == 1) {
+      block_ended = first >= 0;
+    } else {
+      one_block = one_block && !block_ended;
+      if (first < 0) first = i;
+      last = i;
+    }
+  }
+  at::Tensor stored = as_dtype(w, math_dtype);
+  if (!one_block) {
+    stored = stored.expand(shape);
+    first = 0;
+    last = rank - 1;
+  }
+  out.tensor = as_kernel_layout(stored);
+  // first < 0: one weight for every element.
+  int64_t inner = 1, outer = 1;
+  for (int64_t i = 0; i < rank; ++i) {
+    if (first < 0 || i > last) {
+      inner *= shape[i];
+    } else if (i >= first) {
+      outer *= shape[i];
+    }
+  }
+  inner = std::max<int64_t>(inner, 1);
+  const bool dense = inner == 1 && outer == c10::multiply_integers(shape);  // spans every dimension
+  out.layout = ElementWeight{out.tensor.data_ptr(), inner, outer, dense};
+  return out;
+}
+
+// A one-element multiplier on the device (DeviceScale), as a dtype the kernels read.
+at::Tensor as_device_scalar(const c10::optional<at::Tensor>& t, const at::Device& device) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  TORCH_CHECK(t->device() == device && t->numel() == 1, "fusedloss: scale and divisor are one-element tensors on ",
+              device, ", got ", t->sizes(), " on ", t->device());
+  const at::ScalarType dtype = t->scalar_type();
+  const bool readable = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+  return readable ? *t : t->to(at::kDouble);
+}
+
+struct WeightedProblem {
+  Operands ops;
+  KernelWeight weight;
+  at::Tensor scale, divisor;  // kept alive for the launch
+};
+
+WeightedProblem prepare_weighted(const at::Tensor& input, const at::Tensor& target,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+                                 const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss,
+                                 double param, bool autocast) {
+  WeightedProblem w;
+  w.ops = prepare(input, target, loss, param, autocast);
+  const at::ScalarType math = w.ops.loss_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  w.weight = as_kernel_weight(weight, w.ops.input.sizes(), math, input.device());
+  w.scale = as_device_scalar(scale, input.device());
+  w.divisor = as_device_scalar(divisor, input.device());
+  LossProblem& p = w.ops.problem;
+  p.weight = w.weight.layout;
+  p.scale.host = host_scale;
+  if (w.scale.defined()) {
+    p.scale.scale = w.scale.data_ptr();
+    p.scale.scale_dtype = to_dtype(w.scale.scalar_type());
+  }
+  if (w.divisor.defined()) {
+    p.scale.divisor = w.divisor.data_ptr();
+    p.scale.divisor_dtype = to_dtype(w.divisor.scalar_type());
+  }
+  return w;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss(
+    const at::Tensor& input, const at::Tensor& target, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& divisor, double host_scale,
+    c10::string_view loss, double param, std::array<bool, 2> output_mask, bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  const at::Tensor& operand = w.ops.input;
+  at::Tensor out = at::empty({}, operand.options().dtype(w.ops.loss_dtype));
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], operand);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  const int64_t partials = std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem));
+  at::Tensor partial_sums = at::empty({partials}, operand.options().dtype(at::kDouble));
+  C10_CUDA_CHECK(launch_weighted_reduced_loss(w.ops.problem, partial_sums.data_ptr<double>(),
+                                              data_or_null(grad_input), data_or_null(grad_target), out.data_ptr(),
+                                              c10::cuda::getCurrentCUDAStream()));
+  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+    const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss, double param,
+    std::array<bool, 2> output_mask, bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: weighted_loss_backward takes a one-element grad_output on ", input.device());
+  const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(w.ops.problem, go.data_ptr(), data_or_null(grad_input),
+                                                       data_or_null(grad_target), c10::cuda::getCurrentCUDAStream()));
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
               "fusedloss: scale_ takes a one-element scale on the tensor's device");
@@ -271,6 +412,8 @@ TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("reduced_loss", &reduced_loss);
   m.impl("reduced_loss_backward", &reduced_loss_backward);
   m.impl("scale_", &scale_);
+  m.impl("weighted_loss", &weighted_loss);
+  m.impl("weighted_loss_backward", &weighted_loss_backward);
 }
 
 // No tensor argument to dispatch on.

@@ -85,10 +85,34 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kerne
 // walks the tiles from the last: the forward just read those, so the first
 // ones this walk reads are still in L2.
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
-                                                                                            int32_t* history) {
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
+                                                                                                int32_t* history) {
   if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
+  op.begin();
   visit_tile(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+}
+
+// A weighted reduction's pass: each tile's sum (of either sign) into its slot
+// of `partials`, and the gradients the op writes.
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) weighted_reduced_loss_kernel(Op op, int64_t n,
+                                                                                                double* partials) {
+  op.begin();
+  op.sum = 0.0;
+  visit_tile(op, n);
+  const double total = block_sum(op.sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// The partials added in a fixed order, times the scale, rounded once.
+template <typename Out, class Weights>
+__global__ void __launch_bounds__(kBlockThreads) finish_weighted_reduction_kernel(const double* partials,
+                                                                                  int64_t count, Weights weights,
+                                                                                  Out* out) {
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kBlockThreads) sum += partials[i];
+  const double total = block_sum(sum);
+  if (threadIdx.x == 0) *out = Convert<Out>::from(total * weights.factor());
 }
 
 template <typename T, typename Out>
@@ -101,15 +125,6 @@ __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(cons
     const double total = ExactSum<T>::total(words, copies);
     // An empty mean is 0 / 0 = NaN, as in PyTorch.
     *out = Convert<Out>::from(mean ? total / double(numel) : total);
-  }
-}
-
-__device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return *static_cast<const float*>(p);
-    case DType::kFloat16: return __half2float(*static_cast<const __half*>(p));
-    case DType::kBFloat16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
-    default: return *static_cast<const double*>(p);
   }
 }
 

@@ -14,14 +14,37 @@
 
 namespace fusedloss {
 
-#define FUSEDLOSS_LOSS_KIND(Name, name) k##Name,
+#define FUSEDLOSS_LOSS_KIND(Name, name, param) k##Name,
 enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 #undef FUSEDLOSS_LOSS_KIND
 
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 
+// A multiplier that the weighted reductions read on the device, so that a
+// count kept on the GPU (a mask's sum, an all-reduced token count) costs no sync:
+// host * *scale / *divisor, each pointer a one-element tensor or null (1).
+struct DeviceScale {
+  double host = 1.0;
+  const void* scale = nullptr;
+  DType scale_dtype = DType::kFloat32;
+  const void* divisor = nullptr;
+  DType divisor_dtype = DType::kFloat32;
+};
+
+// A weight per element, read where it lies: element e's weight is
+// weight[(e / inner) % outer], a contiguous block of the loss's dimensions
+// with the weight broadcast over those before and after it; `dense`: a weight
+// of the loss's own size, weight[e]. In float32, or float64 with fp64
+// operands. Null: every weight is 1.
+struct ElementWeight {
+  const void* weight = nullptr;
+  int64_t inner = 1;
+  int64_t outer = 1;
+  bool dense = false;
+};
+
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
-// Smooth L1 (> 0) and delta for Huber; unused otherwise. With `autocast`, the
+// Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
 // operands read as they are (only the reductions take it, and only for the
 // pairs that reads_under_autocast names).
@@ -34,6 +57,9 @@ struct LossProblem {
   DType target_dtype;
   int64_t numel;
   bool autocast = false;
+  // The weighted reductions' only (launch_weighted_reduced_loss*).
+  ElementWeight weight;
+  DeviceScale scale;
 };
 
 // The pairs the reductions read directly under autocast: float16 or bfloat16
@@ -56,6 +82,21 @@ constexpr bool reads_under_autocast(DType input, DType target) {
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
+
+// A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
+// loss's dtype, and where the pointers are set the gradients (times weight and
+// scale) in the same pass. Each tile's sum goes to `partials`
+// (weighted_reduced_loss_partials doubles), which a second launch adds up in a
+// fixed order: the same bits on every run, with weights of either sign.
+int64_t weighted_reduced_loss_partials(const LossProblem& problem);
+cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
+                                         void* grad_target, void* out, cudaStream_t stream);
+
+// Its backward for a one-element `grad_output` in the loss's dtype: the
+// forward's gradients times grad_output, recomputed, with the bits that scaling
+// those in place gives.
+cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
+                                                  void* grad_input, void* grad_target, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).

@@ -8,6 +8,7 @@
 
 #include "dtypes.cuh"
 #include "elementwise.cuh"
+#include "launch.h"
 #include "losses.cuh"
 
 namespace fusedloss {
@@ -26,6 +27,82 @@ struct GradPointers {
     return kGrads == Grads::kInput || (kGrads == Grads::kInputAndTarget && grad_input != nullptr);
   }
   static constexpr bool kWritesTarget = kGrads == Grads::kInputAndTarget;
+};
+
+__device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return *static_cast<const float*>(p);
+    case DType::kFloat16: return __half2float(*static_cast<const __half*>(p));
+    case DType::kBFloat16: return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+    default: return *static_cast<const double*>(p);
+  }
+}
+
+// How a reduction weighs its elements, fixed at compile time: Unweighted (the
+// plain losses: nothing to load, nothing multiplied, the code of a loss with no
+// weight) or Weighted (an ElementWeight and a DeviceScale, read on the device).
+struct Unweighted {
+  static constexpr int kBlocksPerSm = fusedloss::kBlocksPerSm;
+  template <int W, typename T>
+  struct Values {};
+  template <int W, typename T>
+  __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
+  template <int W, typename T>
+  __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
+  template <typename T>
+  __device__ __forceinline__ void begin(T&) const {}
+};
+
+template <typename T>
+struct Weighted {
+  // The weights and the index walk need more than 32 registers a thread.
+  static constexpr int kBlocksPerSm = 6;
+  using Stored = T;  // float32, or float64 with fp64 operands (ElementWeight)
+  template <int W, typename V>
+  struct Values {
+    alignas(16) Stored w[W];
+  };
+
+  const Stored* __restrict__ weight;
+  int64_t inner;
+  int64_t outer;
+  bool dense;
+  DeviceScale scale;
+
+  __device__ __forceinline__ double factor() const {
+    double f = scale.host;
+    if (scale.scale != nullptr) f *= load_as_double(scale.scale, scale.scale_dtype);
+    if (scale.divisor != nullptr) f /= load_as_double(scale.divisor, scale.divisor_dtype);
+    return f;
+  }
+
+  // Element `first + k`'s weight: one division per chunk, then a walk.
+  template <int W, typename V>
+  __device__ __forceinline__ void load(Values<W, V>& v, int64_t first) const {
+    if (weight == nullptr) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) v.w[k] = Stored(1);
+    } else if (dense) {
+      load_chunk(v.w, weight, first);
+    } else {
+      const int64_t q = first / inner;
+      int64_t r = first - q * inner;
+      int64_t i = q % outer;
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        v.w[k] = weight[i];
+        if (++r == inner) {
+          r = 0;
+          if (++i == outer) i = 0;
+        }
+      }
+    }
+  }
+  template <int W, typename V>
+  __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
+  // The gradients' factor, the same in the forward's pass and in backward's.
+  template <typename V>
+  __device__ __forceinline__ void begin(V& grad_scale) const { grad_scale = V(factor()); }
 };
 
 // The vector width covers 16 bytes of the narrower operand; one chunk per
@@ -107,20 +184,29 @@ struct PairOp {
 // writes gradients loads them one after the other (both at once spill at 32
 // registers), but its tiles and sums are the same, so the loss has the same
 // bits whichever gradients are written.
-template <class Loss, typename In, typename Tgt, Grads kGrads>
+template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   template <int W>
-  using Chunk = typename Base::template Chunk<W>;
+  struct Chunk : Base::template Chunk<W> {
+    typename Weights::template Values<W, T> weight;
+  };
   static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
   static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
+  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
   T grad_scale;
   double sum;
+  Weights weights;
+
+  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
 
   template <int W>
-  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
+    this->load_pair(c, first);
+    weights.load(c.weight, first);
+  }
 
   // One rounding from the fp32 product into each gradient's storage dtype; one
   // loop, so no value outlives its element (register pressure).
@@ -131,9 +217,10 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     alignas(16) Tgt gt[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      chunk_sum += this->value(c.input[k], c.target[k]);
-      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], grad_scale);
-      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], grad_scale);
+      chunk_sum += Weights::times(c.weight, k, this->value(c.input[k], c.target[k]));
+      const T factor = Weights::times(c.weight, k, grad_scale);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -208,19 +295,28 @@ __device__ __forceinline__ S rounded_product(S v, T factor) {
 // input and target: the fused forward's gradients (times grad_scale, rounded)
 // times grad_output, rounded again, as scaling those in place does. Either way
 // gives the same bits.
-template <class Loss, typename In, typename Tgt, Grads kGrads>
+template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   using typename Base::Out;
   template <int W>
-  using Chunk = typename Base::template Chunk<W>;
+  struct Chunk : Base::template Chunk<W> {
+    typename Weights::template Values<W, T> weight;
+  };
 
+  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
   T grad_scale;
   const Out* __restrict__ grad_output;
+  Weights weights;
+
+  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
 
   template <int W>
-  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { this->load_pair(c, first); }
+  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
+    this->load_pair(c, first);
+    weights.load(c.weight, first);
+  }
 
   template <int W>
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
@@ -229,11 +325,12 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     alignas(16) Tgt gt[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
+      const T factor = Weights::times(c.weight, k, grad_scale);
       if (this->writes_input()) {
-        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], grad_scale), go);
+        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], factor), go);
       }
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
-        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], grad_scale), go);
+        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], factor), go);
       }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);

@@ -1,0 +1,32 @@
+// launch_weighted_reduced_loss, and its read-only pass (weighted_reduction.cuh).
+#include "weighted_reduction.cuh"
+
+namespace fusedloss {
+
+extern template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
+                                                                cudaStream_t);
+extern template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*,
+                                                                         void*, cudaStream_t);
+template cudaError_t launch_weighted_pass<Grads::kNone>(const LossProblem&, double*, void*, void*, void*,
+                                                        cudaStream_t);
+
+int64_t weighted_reduced_loss_partials(const LossProblem& p) {
+  int64_t tiles = 0;
+  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    // The tiles are the same whichever gradients are written.
+    tiles = num_tiles<WeightedReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
+    return cudaSuccess;
+  });
+  return tiles;
+}
+
+cudaError_t launch_weighted_reduced_loss(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
+                                         void* out, cudaStream_t stream) {
+  if (grad_target != nullptr) {
+    return launch_weighted_pass<Grads::kInputAndTarget>(p, partials, grad_input, grad_target, out, stream);
+  }
+  if (grad_input != nullptr) return launch_weighted_pass<Grads::kInput>(p, partials, grad_input, nullptr, out, stream);
+  return launch_weighted_pass<Grads::kNone>(p, partials, nullptr, nullptr, out, stream);
+}
+
+}  // namespace fusedloss

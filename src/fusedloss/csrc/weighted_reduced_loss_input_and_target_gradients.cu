@@ -1,0 +1,10 @@
+// The weighted pass that also writes d loss / d target, and d loss / d input
+// where its pointer is set (weighted_reduction.cuh).
+#include "weighted_reduction.cuh"
+
+namespace fusedloss {
+
+template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*, void*,
+                                                                  cudaStream_t);
+
+}  // namespace fusedloss

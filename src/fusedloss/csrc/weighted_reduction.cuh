@@ -1,0 +1,57 @@
+// The weighted reductions (launch.h): the plain reductions' ops with a
+// Weighted policy. The pass for each Grads is instantiated in its own
+// translation unit (weighted_reduced_loss*.cu), so that they compile in parallel.
+#pragma once
+
+#include "dispatch.cuh"
+#include "kernels.cuh"
+
+namespace fusedloss {
+
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+using WeightedReducedLossOp = ReducedLossOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
+
+template <class Loss, typename In, typename Tgt, Grads kGrads>
+using WeightedReducedLossBackwardOp = ReducedLossBackwardOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
+
+template <class Op>
+void set_weights(Op& op, const LossProblem& p) {
+  using Stored = typename decltype(op.weights)::Stored;
+  op.weights.weight = static_cast<const Stored*>(p.weight.weight);
+  op.weights.inner = p.weight.inner;
+  op.weights.outer = p.weight.outer;
+  op.weights.dense = p.weight.dense;
+  op.weights.scale = p.scale;
+}
+
+// The pass that sums each tile into `partials` and writes the gradients kGrads
+// names, then the launch that adds the partials up into `out`.
+template <Grads kGrads>
+cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
+                                 void* out, cudaStream_t stream);
+
+template <Grads kGrads>
+cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
+                                 void* out, cudaStream_t stream) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    Op op = make_op<Op>(p);
+    set_weights(op, p);
+    if (tiles > 0) {
+      op.grad_input = static_cast<In*>(grad_input);
+      op.grad_target = static_cast<Tgt*>(grad_target);
+      weighted_reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, partials);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+    using Out = typename Op::Out;
+    finish_weighted_reduction_kernel<Out><<<1, kBlockThreads, 0, stream>>>(partials, tiles, op.weights,
+                                                                           static_cast<Out*>(out));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace fusedloss
