@@ -1,0 +1,1156 @@
+"""weight= and scale= for the five losses (issue 17), against a float64 reference written here.
+
+The reference (`reference64`) uses torch operations only, in float64, and none of
+fusedloss's code. With l_e the unweighted loss of element e of S = broadcast(input,
+target) and w the weight broadcast to S:
+
+    'none': scale * w_e * l_e                    (shape S)
+    'sum':  scale * sum_e w_e l_e
+    'mean': scale * sum_e w_e l_e / sum_e w_e    (Huber, as PyTorch's: / N)
+
+The result's dtype is the loss's (promoted operands; Huber: the input's), promoted with
+a floating-point weight's; a bool or integer weight (a mask) keeps the loss's dtype.
+scale never changes the dtype. PyTorch's own weighted case (mse, l1, huber with
+weight.size() == input.size(), torch >= 2.6) gives PyTorch's values, which differ in one
+corner: where the target broadcasts the input, PyTorch's mean divides by the weight's own
+sum (`torch_case`; the reference follows).
+
+Devices: "cpu" is fusedloss's own CPU path; "fused-cpu" routes CPU tensors through the
+fusedloss:: operators' CPU kernels (conftest's `fused_cpu`), as CUDA tensors go to the
+CUDA kernels; "cuda" runs the kernels and skips without a GPU. Every run draws new
+data (conftest's `fresh_seed` prints the seed).
+
+Sections:
+  1. values, dtypes and gradients against float64: five losses x reductions x weight
+     shapes x scale kinds; dtype pairs; broadcast operands; layouts; sizes
+  2. PyTorch's own weighted case (mse, l1, huber with weight.size() == input.size())
+  3. a broadcast weight equals its expanded copy; errors
+  4. modules, torch.func transforms, torch.compile, gradient placement
+  5. CUDA only: 16-bit operands, autocast, CUDA graphs, no host sync, determinism,
+     large sizes, memory
+  6. fuzzing
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedloss
+import fusedloss.nn
+from fusedloss import build, functional
+
+from conftest import TOLERANCE, heavy_tailed, requires_cuda
+
+NAMES = ("mse", "l1", "smooth_l1", "huber", "pseudo_huber")
+PARAM_KEYWORD = {"smooth_l1": "beta", "huber": "delta", "pseudo_huber": "c"}
+PARAMS = {"mse": None, "l1": None, "smooth_l1": 0.5, "huber": 1.5, "pseudo_huber": 0.75}
+MODULES = {"mse": "MSELoss", "l1": "L1Loss", "smooth_l1": "SmoothL1Loss", "huber": "HuberLoss",
+           "pseudo_huber": "PseudoHuberLoss"}
+REDUCTIONS = ("none", "mean", "sum")
+SHAPE = (3, 5, 7, 11)  # (B, C, H, W): odd sizes, no power of two
+WEIGHT_SHAPES = {
+    "none": None,
+    "same-size": SHAPE,
+    "per-sample": (3, 1, 1, 1),
+    "per-channel": (1, 5, 1, 1),
+    "per-row": (1, 1, 7, 1),
+    "channel-row": (1, 5, 7, 1),
+    "mask": (3, 1, 7, 11),  # 0/1 floats
+    "bool-mask": (3, 1, 7, 11),
+    "0-d": (),
+    "last-dim": (11,),
+}
+BROADCAST_WEIGHTS = [kind for kind in WEIGHT_SHAPES if kind not in ("none", "same-size")]
+SCALES = ("none", "float", "tensor")
+TORCH_HAS_WEIGHT = "weight" in inspect.signature(F.mse_loss).parameters
+requires_torch_weight = pytest.mark.skipif(not TORCH_HAS_WEIGHT, reason="torch < 2.6 has no weight argument")
+_PRECISION_RANK = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+FUZZ_CASES = int(os.environ.get("FUSEDLOSS_FUZZ_EXAMPLES", "150"))
+
+
+# ---- the float64 reference ------------------------------------------------------------
+
+
+def elementwise64(name, d, param):
+    """The unweighted loss of d = input - target (float64), by the textbook formulas."""
+    a = d.abs()
+    if name == "mse":
+        return d * d
+    if name == "l1" or (name == "smooth_l1" and param == 0):
+        return a
+    if name == "smooth_l1":
+        return torch.where(a < param, 0.5 * d * d / param, a - 0.5 * param)
+    if name == "huber":
+        return torch.where(a <= param, 0.5 * d * d, param * (a - 0.5 * param))
+    if name == "pseudo_huber":
+        return 2 * param * (torch.sqrt(d * d + param * param) - param)
+    raise AssertionError(name)
+
+
+def torch_case(name, input, weight):
+    """PyTorch's own weighted loss (torch >= 2.6): mse, l1 or huber with weight.size() ==
+    input.size(). fusedloss gives its values, which differ from the rule above in one
+    corner: an input that the target broadcasts has a mean divided by the weight's own
+    sum, not by that of the weight expanded to S."""
+    return TORCH_HAS_WEIGHT and name in ("mse", "l1", "huber") and weight is not None and weight.shape == input.shape
+
+
+def reference64(name, input, target, reduction, weight=None, scale=None, param=None, magnitude=False,
+                pytorch=None):
+    """The weighted, scaled loss in float64 (differentiable in every tensor argument).
+
+    magnitude=True: the same value, but a weighted mean N / D is differentiated as
+    dN / D + N dD / D^2 (its two terms added, not subtracted), for `reference_gradients`.
+    pytorch: whether this is PyTorch's own case (default: `torch_case`)."""
+    pytorch = torch_case(name, input, weight) if pytorch is None else pytorch
+    param = PARAMS[name] if param is None else param
+    if isinstance(param, torch.Tensor):
+        param = param.double()
+    loss = elementwise64(name, input.double() - target.double(), param)
+    shape = loss.shape
+    if weight is not None:
+        w = weight.double()
+        loss = loss * w
+        assert loss.shape == shape, "the reference takes only weights that broadcast to S"
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        if weight is None:
+            loss = loss.mean()
+        elif name == "huber":
+            loss = loss.sum() / shape.numel()
+        else:
+            numerator, denominator = loss.sum(), (w if pytorch else w.expand(shape)).sum()
+            loss = numerator / denominator
+            if magnitude:
+                loss = numerator / denominator.detach() + loss.detach() - numerator.detach() / denominator
+    if scale is not None:
+        loss = loss * (scale.double() if isinstance(scale, torch.Tensor) else scale)
+    return loss
+
+
+ARGUMENTS = ("input", "target", "weight", "scale", "param")
+
+
+def reference_gradients(name, reduction, args, grad_output64):
+    """For each tensor in `args` (a dict over ARGUMENTS) that requires grad: the float64
+    reference's gradient, and a bound on what rounding it is relative to: the sum of the
+    magnitudes of the terms that make it up. A gradient summed over broadcast elements
+    (of a broadcast operand, weight or c; of a scale with reduction='none') or taken
+    through a weighted mean's denominator may cancel; its rounding does not."""
+    wrt = [k for k in ARGUMENTS if isinstance(args.get(k), torch.Tensor) and args[k].requires_grad]
+    args64 = {k: _as64(args.get(k)) for k in ARGUMENTS}
+    pytorch = torch_case(name, args64["input"], args64["weight"])
+    out = reference64(name, reduction=reduction, **args64)
+    grads = torch.autograd.grad(out, [args64[k] for k in wrt], grad_output64) if wrt else ()
+    # The same with every differentiated tensor expanded to S: per-element terms, taken
+    # in magnitude and summed back to each tensor's shape.
+    shape = torch.broadcast_shapes(args["input"].shape, args["target"].shape)
+    expanded = dict(args64)
+    for k in wrt:
+        if k != "scale" or reduction == "none":
+            expanded[k] = args64[k].detach().expand(shape).clone().requires_grad_()
+        else:
+            expanded[k] = args64[k].detach().clone().requires_grad_()
+    out = reference64(name, reduction=reduction, magnitude=True, pytorch=pytorch, **expanded)
+    terms = torch.autograd.grad(out, [expanded[k] for k in wrt], grad_output64.abs()) if wrt else ()
+    bounds = [t.abs().sum_to_size(args[k].shape) for k, t in zip(wrt, terms)]
+    return {k: (g, b) for k, g, b in zip(wrt, grads, bounds)}
+
+
+def expected_dtype(name, input, target, weight):
+    dtype = input.dtype if name == "huber" else torch.promote_types(input.dtype, target.dtype)
+    if weight is not None and weight.is_floating_point():
+        dtype = torch.promote_types(dtype, weight.dtype)
+    return dtype
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def weighted_loss(name, input, target, reduction="mean", weight=None, scale=None, param=None):
+    kwargs = {}
+    if name in PARAM_KEYWORD:
+        kwargs[PARAM_KEYWORD[name]] = PARAMS[name] if param is None else param
+    fn = getattr(fusedloss, f"{name}_loss")
+    return fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs)
+
+
+def make_weight(kind, device, dtype=torch.float32, requires_grad=False, shape=None):
+    """A weight of WEIGHT_SHAPES[kind] (or `shape`): values in [0.25, 1.25), or a 0/1 mask
+    ("mask", "bool-mask") that is never all zero. kind "positive" takes `shape`."""
+    shape = WEIGHT_SHAPES[kind] if shape is None else shape
+    if shape is None:
+        return None
+    if kind in ("mask", "bool-mask"):
+        mask = torch.rand(shape, device=device) < 0.6
+        mask[(0,) * mask.dim()] = True  # never all zero: a mean stays finite
+        return mask if kind == "bool-mask" else mask.to(dtype).requires_grad_(requires_grad)
+    return (torch.rand(shape, device=device) + 0.25).to(dtype).requires_grad_(requires_grad)
+
+
+def make_scale(kind, device, requires_grad=True, dtype=torch.float32):
+    if kind == "none":
+        return None
+    value = torch.empty((), dtype=torch.float64).uniform_(0.25, 2.0)
+    if kind == "float":
+        return value.item()
+    return value.to(device, dtype).requires_grad_(requires_grad)
+
+
+def leaf(t, requires_grad=True):
+    return t.detach().clone().requires_grad_(requires_grad)
+
+
+def operands(shape, device, dtype=torch.float32, clamp=None):
+    """Heavy-tailed input and target requiring grad (both branches of Smooth L1, Huber)."""
+    pair = [heavy_tailed(shape, device=device) for _ in range(2)]
+    if clamp is not None:
+        pair = [t.clamp(-clamp, clamp) for t in pair]
+    return tuple(leaf(t.to(dtype)) for t in pair)
+
+
+def loosest(*dtypes):
+    return max((d for d in dtypes if d in _PRECISION_RANK), key=_PRECISION_RANK.__getitem__)
+
+
+def assert_close64(actual, expected64, *dtypes, msg=""):
+    """`actual` against the float64 reference rounded to its dtype (a 16-bit sum may
+    overflow), within conftest's tolerance of the loosest of `dtypes` and actual's; twice
+    that for a 16-bit result, which may round at the loss, the weight and the scale (as
+    PyTorch's own weighted losses do)."""
+    __tracebackhide__ = True
+    assert actual.shape == expected64.shape, (actual.shape, expected64.shape)
+    rtol, atol = TOLERANCE[loosest(actual.dtype, *dtypes)]
+    if actual.dtype in (torch.float16, torch.bfloat16):
+        rtol, atol = 2 * rtol, 2 * atol
+    expected = expected64.detach().to(actual.dtype).double().cpu()
+    torch.testing.assert_close(actual.detach().double().cpu(), expected, rtol=rtol, atol=atol, equal_nan=True,
+                               msg=lambda m: f"{msg}\n{m}" if msg else m)
+
+
+def assert_gradient_close64(actual, expected64, *dtypes, bound=0.0, msg=""):
+    """A gradient (or tangent) against float64: 4x conftest's tolerance, relative to
+    |expected| + `bound` (the magnitude of the terms it sums, `reference_gradients`)."""
+    __tracebackhide__ = True
+    assert actual.shape == expected64.shape, (actual.shape, expected64.shape)
+    rtol, atol = TOLERANCE[loosest(actual.dtype, *dtypes)]
+    rtol, atol = 4 * rtol, 4 * atol
+    got = actual.detach().double().cpu()
+    expected = expected64.detach().to(actual.dtype).double().cpu()
+    bound = torch.as_tensor(bound, dtype=torch.float64).detach().cpu()
+    allowed = atol + rtol * (expected.abs() + bound)
+    ok = ((got - expected).abs() <= allowed) | (got == expected) | (got.isnan() & expected.isnan())
+    if not ok.all():
+        worst = ((got - expected).abs() - allowed).nan_to_num(nan=float("inf")).argmax()
+        index = tuple(int(i) for i in torch.unravel_index(worst, got.shape)) if got.dim() else ()
+        raise AssertionError(f"{msg}: {int((~ok).sum())} of {ok.numel()} entries off; at {index}: got "
+                             f"{got[index].item()!r}, expected {expected[index].item()!r}, allowed "
+                             f"+-{allowed.expand_as(got)[index].item():.3g} (rtol {rtol}, atol {atol})")
+
+
+def _as64(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().double().requires_grad_(value.requires_grad)
+    return value
+
+
+def _differentiable(**tensors):
+    return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+
+
+def random_grad_output(like64):
+    """A grad_output that is not 1 (a scale applied in place must still be right)."""
+    if like64.dim() == 0:
+        return torch.empty((), dtype=torch.float64).uniform_(0.5, 1.5).to(like64.device)
+    return torch.randn(like64.shape, dtype=torch.float64, device=like64.device)
+
+
+def check_against_reference(name, reduction, input, target, weight=None, scale=None, param=None, msg=""):
+    """Value, dtype, shape, device and the gradient of every operand that requires grad."""
+    __tracebackhide__ = True
+    out = weighted_loss(name, input, target, reduction, weight=weight, scale=scale, param=param)
+    args = dict(input=input, target=target, weight=weight, scale=scale, param=param)
+    expected = reference64(name, reduction=reduction, **{k: _as64(v) for k, v in args.items()})
+    got, want = (out.dtype, out.shape, out.device), (expected_dtype(name, input, target, weight), expected.shape,
+                                                     input.device)
+    assert got == want, f"{msg}: (dtype, shape, device) {got}, expected {want}"
+    dtypes = (input.dtype, target.dtype)
+    if torch_case(name, input, weight):  # PyTorch sums its weight in the weight's dtype
+        dtypes += (weight.dtype,)
+    assert_close64(out, expected, *dtypes, msg=f"{msg} value")
+    check_gradients(name, reduction, out, args, dtypes, msg)
+    return out
+
+
+def check_gradients(name, reduction, out, args, dtypes, msg=""):
+    __tracebackhide__ = True
+    wrt = _differentiable(**args)
+    if not wrt:
+        return
+    grad_output = random_grad_output(out.detach().double()).to(out.dtype)
+    got = torch.autograd.grad(out, list(wrt.values()), grad_output)
+    expected = reference_gradients(name, reduction, args, grad_output.double())
+    for key, g in zip(wrt, got):
+        assert (g.dtype, g.shape) == (wrt[key].dtype, wrt[key].shape), f"{msg}: gradient of {key}"
+        assert_gradient_close64(g, expected[key][0], *dtypes, bound=expected[key][1], msg=f"{msg} gradient of {key}")
+
+
+@pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request, monkeypatch):
+    if request.param == "cuda":
+        build.load()  # raises rather than letting fusedloss fall back to torch
+        return "cuda"
+    if request.param == "fused-cpu":
+        request.getfixturevalue("fused_cpu")
+        routed = functional._kernels_apply
+        # As on CUDA: under torch.compile or a torch.func transform, torch operations run.
+        monkeypatch.setattr(functional, "_kernels_apply",
+                            lambda *args: routed(*args) and not torch.compiler.is_compiling()
+                            and not functional._under_a_transform())
+    return "cpu"
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# ---- 1. values, dtypes and gradients against float64 ---------------------------------------
+
+
+@pytest.mark.parametrize("scale_kind", SCALES)
+@pytest.mark.parametrize("weight_kind", WEIGHT_SHAPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_against_float64(device, name, reduction, weight_kind, scale_kind):
+    """Gradients of input and target; then of a floating-point weight and a tensor scale too."""
+    input, target = operands(SHAPE, device)
+    for requires_grad in (False, True):
+        weight = make_weight(weight_kind, device, requires_grad=requires_grad)
+        scale = make_scale(scale_kind, device, requires_grad=requires_grad)
+        check_against_reference(name, reduction, input, target, weight, scale,
+                                msg=f"weight and scale require grad: {requires_grad}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_weighted_call_runs_a_fusedloss_operator(device, name, reduction):
+    """On the fused path (fused-cpu, cuda) a weighted loss whose weight and scale need no
+    gradient runs a fusedloss:: operator, so the other tests there test the kernels."""
+    if device == "cpu" and not functional._kernels_apply(torch.ones(1), torch.ones(1)):
+        pytest.skip("fusedloss's plain CPU path: torch operations by design")
+    input, target = operands(SHAPE, device)
+    weight = make_weight("per-channel", device)
+    with _RecordOps() as recorder:
+        weighted_loss(name, input, target, reduction, weight=weight, scale=0.5)
+    assert any(op.startswith("fusedloss.") for op in recorder.ops), recorder.ops
+
+
+DTYPE_CASES = [  # (operands, weight): the result is their promotion (a bool/int weight: the operands')
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float64),
+    (torch.float64, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.float16, torch.bfloat16),
+    (torch.float32, torch.bool),
+    (torch.bfloat16, torch.bool),
+    (torch.float32, torch.int64),
+]
+
+
+@pytest.mark.parametrize("weight_shape", [(1, 5, 1, 1), ()], ids=["per-channel", "0-d"])
+@pytest.mark.parametrize("dtypes", DTYPE_CASES, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("name", NAMES)
+def test_dtypes(device, name, dtypes, weight_shape):
+    """The result's dtype is torch.promote_types(loss dtype, weight dtype) for a floating
+    weight, a 0-d one too (not PyTorch's rule for 0-d operands), and the loss's for a bool
+    or integer weight; the values are float64's."""
+    operand_dtype, weight_dtype = dtypes
+    input, target = operands(SHAPE, device, operand_dtype, clamp=8.0)  # finite 16-bit squares
+    if weight_dtype == torch.bool:
+        weight = torch.rand(weight_shape, device=device) < 0.6
+        weight[(0,) * weight.dim()] = True
+    elif weight_dtype == torch.int64:
+        weight = torch.randint(1, 4, weight_shape, device=device)  # counts
+    else:
+        weight = make_weight("positive", device, weight_dtype, requires_grad=True, shape=weight_shape)
+    scale = make_scale("tensor", device, dtype=torch.float64)  # does not widen the result
+    for reduction in REDUCTIONS:
+        check_against_reference(name, reduction, input, target, weight, scale, msg=f"reduction={reduction!r}")
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize(
+    "shapes",
+    [((3, 5, 7, 11), (1, 5, 7, 11), (3, 1, 1, 1)),  # a target shared by the batch, per-sample weight
+     ((3, 1, 7, 1), (1, 5, 1, 11), (1, 5, 7, 1)),  # both operands broadcast
+     ((5, 7, 11), (3, 5, 7, 11), (3, 1, 1, 1)),  # the input broadcasts (and the weight has S's rank)
+     ((3, 1, 7, 1), (3, 5, 7, 11), (3, 1, 7, 1)),  # a weight of the input's size (mse, l1, huber: PyTorch's case)
+     ((7, 11), (7, 11), (7, 1))],
+    ids=str,
+)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_broadcast_operands(device, name, reduction, shapes):
+    input_shape, target_shape, weight_shape = shapes
+    input, target = (leaf(heavy_tailed(s, device=device)) for s in (input_shape, target_shape))
+    weight = make_weight("per-sample", device, requires_grad=True, shape=weight_shape)
+    check_against_reference(name, reduction, input, target, weight, make_scale("tensor", device))
+    check_against_reference(name, reduction, input, target, weight.detach(), 0.5)
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_smooth_l1_with_beta_0_is_not_pytorchs_weighted_l1(device, reduction):
+    """smooth_l1_loss(beta=0) is L1, but with fusedloss's weight rule: a weighted mean divides
+    by the weight expanded to S, also when the weight has the size of an input that the
+    target broadcasts (where PyTorch's own weighted l1_loss divides by the weight's own sum)."""
+    input, target = leaf(heavy_tailed((3, 1, 7, 1), device=device)), leaf(heavy_tailed(SHAPE, device=device))
+    for requires_grad in (False, True):
+        weight = make_weight("positive", device, requires_grad=requires_grad, shape=(3, 1, 7, 1))
+        check_against_reference("smooth_l1", reduction, input, target, weight, 0.5, param=0.0,
+                                msg=f"weight requires grad: {requires_grad}")
+
+
+@pytest.mark.parametrize("layout", ["misaligned", "non-contiguous", "expanded-weight"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_layouts(device, name, reduction, layout):
+    """Operands and weight at storage offset 1 (misaligned for vector loads), transposed,
+    or a weight that is an expanded (stride-0) view."""
+    n = math.prod(SHAPE)
+    if layout == "misaligned":
+        input, target = (heavy_tailed((n + 1,), device=device)[1:].view(SHAPE) for _ in range(2))
+        weight = (torch.rand(n + 1, device=device) + 0.25)[1:].view(SHAPE)
+        assert input.storage_offset() == 1
+    elif layout == "non-contiguous":
+        input, target = (heavy_tailed(SHAPE[::-1], device=device).permute(3, 2, 1, 0) for _ in range(2))
+        weight = (torch.rand(1, 5, 1, 2, device=device) + 0.25)[..., :1]
+        assert not input.is_contiguous() and not weight.is_contiguous()
+    else:
+        input, target = (heavy_tailed(SHAPE, device=device) for _ in range(2))
+        weight = (torch.rand(5, 1, 1, device=device) + 0.25).expand(5, 7, 11)
+    for scale in (None, 0.75, make_scale("tensor", device, requires_grad=False)):
+        check_against_reference(name, reduction, input.requires_grad_(), target.requires_grad_(), weight, scale,
+                                msg=f"scale={scale}")
+
+
+SIZES = [0, 1, 4099]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("weight_shape", ["same", "rows", "columns", "0-d"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_sizes(device, name, reduction, weight_shape, n):
+    """Including empty operands: a mean of nothing is NaN (0 / 0), a sum 0."""
+    shape = (n, 3)
+    weight = make_weight("positive", device, shape={"same": (n, 3), "rows": (n, 1), "columns": (1, 3), "0-d": ()}
+                         [weight_shape])
+    input, target = operands(shape, device)
+    for scale in (None, 1.5, make_scale("tensor", device)):
+        out = check_against_reference(name, reduction, input, target, weight, scale, msg=f"scale={scale}")
+        if n == 0:
+            assert out.isnan().all() if reduction == "mean" else (out == 0).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scale_forms(device, name):
+    """scale: an int, a float, a 0-d tensor of any float dtype (on CPU, too), and the
+    masked mean of the spec: weight=mask, reduction='sum', scale=1/mask.sum()."""
+    input, target = operands(SHAPE, device)
+    mask = make_weight("mask", device)
+    for scale in (2, 0.3, torch.tensor(0.3, dtype=torch.float64, device=device), torch.tensor(0.3),
+                  torch.tensor(0.3, dtype=torch.bfloat16, device=device)):
+        check_against_reference(name, "sum", input, target, mask, scale, msg=f"scale={scale!r}")
+    mask = make_weight("mask", device, shape=SHAPE)
+    masked_mean = weighted_loss(name, input, target, "sum", weight=mask, scale=1 / mask.sum())
+    expected = reference64(name, input, target, "sum", mask) / mask.double().sum()
+    assert_close64(masked_mean, expected)
+    if name != "huber":  # Huber's weighted mean divides by N
+        assert_close64(weighted_loss(name, input, target, "mean", weight=mask), expected)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_weights(device, name, reduction):
+    """Zero weights drop their elements (their gradient is 0); an all-zero weight's
+    mean is 0 / 0 = NaN (Huber's: 0 / N = 0)."""
+    input, target = operands(SHAPE, device)
+    weight = make_weight("per-sample", device)
+    weight[1] = 0
+    check_against_reference(name, reduction, input, target, weight, 0.5)
+    out = weighted_loss(name, input, target, reduction, weight=weight, scale=0.5)
+    grad = torch.autograd.grad(out.sum(), input)[0]
+    assert (grad[1] == 0).all()
+    zero = torch.zeros(1, 5, 1, 1, device=device)
+    out = weighted_loss(name, input, target, reduction, weight=zero)
+    assert_close64(out, reference64(name, input, target, reduction, zero))
+    if reduction == "mean":
+        assert out.isnan().item() == (name != "huber")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_and_inf_propagate(device, name, reduction):
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0, float("inf"), 0.0, 2.0, 3.0],
+                           device=device)
+    other = torch.tensor([0.5, 1.0, 2.0, float("nan"), float("inf"), -float("inf"), 0.0, 3.0], device=device)
+    for weight in (None, torch.tensor([1.0, 0.5, 2.0, 1.0, 1.0, 0.25, 0.0, 1.0], device=device),
+                   torch.tensor(0.5, device=device)):
+        for scale in (None, 0.5, torch.tensor(2.0, device=device)):
+            if weight is None and scale is None:
+                continue
+            out = weighted_loss(name, special, other, reduction, weight=weight, scale=scale)
+            assert_close64(out, reference64(name, special, other, reduction, weight, scale),
+                           msg=f"weight={weight}, scale={scale}")
+
+
+# ---- 2. PyTorch's own weighted case -----------------------------------------------------
+
+PARITY_DTYPES = [(torch.float32, torch.float32), (torch.float64, torch.float64), (torch.bfloat16, torch.float32),
+                 (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                 (torch.float32, torch.float64), (torch.float32, torch.bool)]
+TORCH_LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "huber": F.huber_loss}
+
+
+def _torch_kwargs(name):
+    return {"delta": PARAMS["huber"]} if name == "huber" else {}
+
+
+@requires_torch_weight
+@pytest.mark.parametrize("dtypes", PARITY_DTYPES, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", TORCH_LOSSES)
+def test_matches_torch_weighted(device, name, reduction, dtypes):
+    operand_dtype, weight_dtype = dtypes
+    input, target = operands(SHAPE, device, operand_dtype, clamp=8.0)
+    if weight_dtype == torch.bool:
+        weight = make_weight("bool-mask", device, shape=SHAPE)
+    else:
+        weight = make_weight("same-size", device, weight_dtype, requires_grad=True)
+    out = weighted_loss(name, input, target, reduction, weight=weight)
+    expected = TORCH_LOSSES[name](input, target, reduction=reduction, weight=weight, **_torch_kwargs(name))
+    assert out.dtype == expected.dtype and out.shape == expected.shape and out.device == expected.device
+    dtypes = (operand_dtype, weight.dtype)
+    assert_close64(out, expected.double(), *dtypes)
+    args = dict(input=input, target=target, weight=weight)
+    wrt = _differentiable(**args)
+    grad_output = random_grad_output(expected.double()).to(out.dtype)
+    bounds = reference_gradients(name, reduction, args, grad_output.double())
+    for key, g, w in zip(wrt, torch.autograd.grad(out, list(wrt.values()), grad_output),
+                         torch.autograd.grad(expected, list(wrt.values()), grad_output)):
+        assert g.dtype == w.dtype == wrt[key].dtype
+        assert_gradient_close64(g, w.double(), *dtypes, bound=bounds[key][1], msg=f"gradient of {key}")
+
+
+@requires_torch_weight
+@pytest.mark.parametrize("name", TORCH_LOSSES)
+def test_matches_torch_weighted_edge_cases(device, name):
+    """A zero weight (0 / 0 in a mean), the legacy size_average / reduce arguments, and an
+    input that the target broadcasts: PyTorch's mean then divides by the weight's own sum."""
+    ours = getattr(fusedloss, f"{name}_loss")
+    theirs = TORCH_LOSSES[name]
+    input, target = operands((4, 6), device)
+    zero = torch.zeros(4, 6, device=device)
+    cases = [(input, target, dict(weight=zero)), (input, target, dict(weight=zero, reduction="sum"))]
+    if name != "huber":
+        cases += [(input, target, dict(weight=zero + 0.5, size_average=False)),
+                  (input, target, dict(weight=zero + 0.5, reduce=False))]
+    small = leaf(heavy_tailed((4, 1), device=device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for reduction in REDUCTIONS:
+            weight = make_weight("positive", device, shape=(4, 1))
+            cases.append((small, target, dict(weight=weight, reduction=reduction)))
+        for a, b, kwargs in cases:
+            out = ours(a, b, **kwargs, **_torch_kwargs(name))
+            expected = theirs(a, b, **kwargs, **_torch_kwargs(name))
+            assert out.dtype == expected.dtype and out.shape == expected.shape, kwargs
+            assert_close64(out, expected.double(), msg=str(kwargs))
+            if out.requires_grad and expected.isfinite().all():
+                grad_output = torch.rand_like(expected) + 0.5
+                (got_a, got_b), (want_a, want_b) = (torch.autograd.grad(loss, (a, b), grad_output)
+                                                    for loss in (out, expected))
+                assert_gradient_close64(got_b, want_b.double(), msg=f"{kwargs}: gradient of target")
+                # a's gradient sums b's over the broadcast dimension
+                bound = want_b.double().abs().sum_to_size(a.shape)
+                assert_gradient_close64(got_a, want_a.double(), bound=bound, msg=f"{kwargs}: gradient of input")
+
+
+def _error_of(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as info:
+            fn(*args, **kwargs)
+    return type(info.value), str(info.value)
+
+
+@requires_torch_weight
+@pytest.mark.parametrize("reduction", ["average", "elementwise", "batchmean", ""])
+@pytest.mark.parametrize("name", TORCH_LOSSES)
+def test_invalid_reduction_errors_like_torch(device, name, reduction):
+    x, y, w = (torch.rand(4, 3, device=device) for _ in range(3))
+    ours = getattr(fusedloss, f"{name}_loss")
+    assert _error_of(ours, x, y, reduction=reduction, weight=w) == \
+        _error_of(TORCH_LOSSES[name], x, y, reduction=reduction, weight=w)
+
+
+@pytest.mark.parametrize("reduction", ["average", "elementwise"])
+@pytest.mark.parametrize("name", NAMES)
+def test_invalid_reduction_raises(device, name, reduction):
+    x, y = torch.rand(4, 3, device=device), torch.rand(4, 3, device=device)
+    for weight, scale in ((torch.rand(4, 1, device=device), None), (None, 0.5),
+                          (torch.rand(3, device=device), torch.tensor(2.0, device=device))):
+        with pytest.raises(ValueError):
+            weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
+
+
+# ---- 3. broadcast = expanded; errors ------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_kind", BROADCAST_WEIGHTS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", NAMES)
+def test_broadcast_weight_equals_expanded(device, name, reduction, weight_kind):
+    """A broadcast weight gives what weight.expand(S).contiguous() gives (for mse, l1 and
+    huber with torch >= 2.6 that is PyTorch's own weighted loss): values and gradients
+    of input, target and the weight."""
+    input, target = operands(SHAPE, device)
+    weight = make_weight(weight_kind, device, requires_grad=weight_kind != "bool-mask")
+    scale = make_scale("tensor", device)
+    out = weighted_loss(name, input, target, reduction, weight=weight, scale=scale)
+    expanded = weighted_loss(name, input, target, reduction, weight=weight.expand(SHAPE).contiguous(), scale=scale)
+    assert out.dtype == expanded.dtype
+    assert_close64(out, expanded.double())
+    args = dict(input=input, target=target, weight=weight, scale=scale)
+    wrt = _differentiable(**args)
+    grad_output = random_grad_output(out.double()).to(out.dtype)
+    bounds = reference_gradients(name, reduction, args, grad_output.double())
+    for key, g, e in zip(wrt, torch.autograd.grad(out, list(wrt.values()), grad_output),
+                         torch.autograd.grad(expanded, list(wrt.values()), grad_output)):
+        # both round: twice the bound
+        assert_gradient_close64(g, e.double(), bound=2 * bounds[key][1], msg=f"gradient of {key}")
+
+
+BAD_WEIGHT_SHAPES = [(4,), (5, 5), (2, 3, 5), (1, 3, 5), (3, 5, 1), (3, 2)]  # S = (3, 5)
+
+
+@pytest.mark.parametrize("weight_shape", BAD_WEIGHT_SHAPES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_that_does_not_broadcast_to_s_raises_value_error(device, name, weight_shape):
+    """Not broadcastable, or broadcasting to more than S: ValueError, for every reduction."""
+    x, y = torch.rand(3, 5, device=device), torch.rand(3, 5, device=device)
+    for reduction in REDUCTIONS:
+        for requires_grad in (False, True):
+            weight = torch.rand(weight_shape, device=device).requires_grad_(requires_grad)
+            with pytest.raises(ValueError):
+                weighted_loss(name, x.requires_grad_(requires_grad), y, reduction, weight=weight)
+
+
+@pytest.mark.parametrize("scale_shape", [(1,), (2,), (3, 5)], ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_scale_that_is_not_0d_raises_value_error(device, name, scale_shape):
+    x, y = torch.rand(3, 5, device=device), torch.rand(3, 5, device=device)
+    for reduction in REDUCTIONS:
+        for weight in (None, torch.rand(3, 1, device=device)):
+            with pytest.raises(ValueError):
+                weighted_loss(name, x, y, reduction, weight=weight, scale=torch.full(scale_shape, 0.5, device=device))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_signatures(name):
+    parameters = inspect.signature(getattr(fusedloss, f"{name}_loss")).parameters
+    assert parameters["weight"].default is None
+    assert parameters["scale"].default is None and parameters["scale"].kind is inspect.Parameter.KEYWORD_ONLY
+    if name in PARAM_KEYWORD:
+        assert parameters[PARAM_KEYWORD[name]].default == 1.0
+    assert parameters["reduction"].default == "mean"
+
+
+# ---- 4. modules, torch.func, torch.compile, gradient placement -----------------------------
+
+
+def make_module(name, reduction):
+    kwargs = {PARAM_KEYWORD[name]: PARAMS[name]} if name in PARAM_KEYWORD else {}
+    return getattr(fusedloss.nn, MODULES[name])(reduction=reduction, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_module_forward_equals_functional(device, name, reduction):
+    module = make_module(name, reduction)
+    input, target = operands(SHAPE, device)
+    weight = make_weight("per-channel", device, requires_grad=True)
+    scale = make_scale("tensor", device)
+    for args, kwargs in [((), {}), ((), dict(weight=weight)), ((weight,), {}), ((), dict(scale=scale)),
+                         ((), dict(weight=weight, scale=scale)), ((weight,), dict(scale=0.25)),
+                         ((), dict(weight=weight.detach(), scale=scale.detach()))]:
+        out = module(input, target, *args, **kwargs)
+        call = dict(zip(["weight"], args), **kwargs)
+        expected = weighted_loss(name, input, target, reduction, weight=call.get("weight"), scale=call.get("scale"))
+        assert torch.equal(out, expected), call
+        wrt = list(_differentiable(input=input, target=target, **call).values())
+        grad_output = torch.rand_like(out) + 0.5
+        for g, e in zip(torch.autograd.grad(out, wrt, grad_output), torch.autograd.grad(expected, wrt, grad_output)):
+            assert torch.equal(g, e), call
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_func_transforms(device, name, reduction):
+    """grad, per-sample gradients (vmap of grad), vmap, jvp and jacrev of a loss with a
+    broadcast weight and a 0-d tensor scale, against the same transforms of the float64
+    reference (torch operations)."""
+    x, y = (heavy_tailed((4, 3, 5), device=device) for _ in range(2))
+    w = torch.rand(3, 1, device=device) + 0.25  # broadcasts to a sample (3, 5) and to the batch
+    s = torch.tensor(0.6, device=device)
+
+    def ours(x, y, w, s):
+        return weighted_loss(name, x, y, reduction, weight=w, scale=s)
+
+    def plain(x, y, w, s):
+        return reference64(name, x, y, reduction, w, s)
+
+    def scalar(fn):
+        return lambda *args: fn(*args).sum()
+
+    def bounds(x, y, keys):
+        """reference_gradients' bounds for d sum(loss) / d keys (grad_output 1)."""
+        args = dict(input=leaf(x), target=leaf(y), weight=leaf(w), scale=leaf(s))
+        ones = torch.ones(x.shape if reduction == "none" else (), dtype=torch.float64, device=device)
+        found = reference_gradients(name, reduction, args, ones)
+        return [found[k][1] for k in keys]
+
+    def close(got, want, bound, what):
+        assert len(got) == len(want) == len(bound)
+        for g, e, b in zip(got, want, bound):
+            assert g.dtype == torch.float32, what
+            assert_gradient_close64(g, e, bound=b, msg=what)
+
+    keys = ("input", "target", "weight", "scale")
+    close(torch.func.grad(scalar(ours), argnums=(0, 1, 2, 3))(x, y, w, s),
+          torch.func.grad(scalar(plain), argnums=(0, 1, 2, 3))(x, y, w, s), bounds(x, y, keys), "grad")
+
+    per_sample = lambda fn: torch.func.vmap(torch.func.grad(scalar(fn), argnums=(0, 2, 3)),  # noqa: E731
+                                            in_dims=(0, 0, None, None))
+    per_sample_bounds = [torch.stack(b) for b in zip(*(bounds(x[i], y[i], ("input", "weight", "scale"))
+                                                         for i in range(len(x))))]
+    close(per_sample(ours)(x, y, w, s), per_sample(plain)(x, y, w, s), per_sample_bounds, "vmap(grad)")
+
+    batched = lambda fn: torch.func.vmap(fn, in_dims=(0, 0, 0, None))  # noqa: E731  (a weight per sample)
+    w_per_sample = torch.rand(4, 3, 1, device=device) + 0.25
+    assert_close64(batched(ours)(x, y, w_per_sample, s), batched(plain)(x, y, w_per_sample, s), msg="vmap")
+
+    primals = (x, w, s)
+    tangents = tuple(torch.randn_like(t) for t in primals)
+    out, tangent = torch.func.jvp(lambda a, b, c: ours(a, y, b, c), primals, tangents)
+    expected, expected_tangent = torch.func.jvp(lambda a, b, c: plain(a, y, b, c), primals, tangents)
+    assert_close64(out, expected, msg="jvp value")
+    if reduction == "none":  # each element's tangent: a term per argument
+        bound = sum(torch.func.jvp(lambda a, b, c: plain(a, y, b, c), primals,
+                                   tuple(t if i == k else torch.zeros_like(t) for i, t in enumerate(tangents)))[1].abs()
+                    for k in range(3))
+    else:
+        bound = sum((b * t.abs()).sum() for b, t in zip(bounds(x, y, ("input", "weight", "scale")), tangents))
+    assert_gradient_close64(tangent, expected_tangent, bound=bound, msg="jvp tangent")
+    assert tangent.abs().sum() > 0
+
+    # 'none': each entry of the Jacobian is one term; a mean or sum's Jacobian is its gradient
+    jacobian_bounds = [0.0, 0.0] if reduction == "none" else bounds(x, y, ("input", "weight"))
+    close(torch.func.jacrev(ours, argnums=(0, 2))(x, y, w, s), torch.func.jacrev(plain, argnums=(0, 2))(x, y, w, s),
+          jacobian_bounds, "jacrev")
+
+
+def test_compiled_weighted_step(device):
+    """torch.compile(fullgraph=True) of a function calling every weighted loss, with the
+    scale a tensor whose value changes between calls (no recompile may freeze it)."""
+    backend = "inductor" if device == "cuda" else "aot_eager"  # aot_eager: no C++ build on the CPU
+    torch._dynamo.reset()
+    weight = make_weight("per-channel", device)
+
+    def step(x, y, w, s):
+        total = 0
+        for name in NAMES:
+            total = total + weighted_loss(name, x, y, "mean", weight=w, scale=s)
+            total = total + weighted_loss(name, x, y, "none", weight=w, scale=0.5).sum() * 1e-3
+        return total
+
+    def reference(x, y, w, s):
+        total = 0
+        for name in NAMES:
+            total = total + reference64(name, x, y, "mean", w, s)
+            total = total + reference64(name, x, y, "none", w, 0.5).sum() * 1e-3
+        return total
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for value in (0.5, 2.0, 1.0):
+        x, y = operands(SHAPE, device)
+        scale = torch.tensor(value, device=device)
+        out = compiled(x, y, weight, scale)
+        x64 = _as64(x)
+        expected = reference(x64, y.detach().double(), weight, scale)
+        assert_close64(out, expected, msg=f"scale {value}")
+        (grad,) = torch.autograd.grad(out, x)
+        assert_gradient_close64(grad, torch.autograd.grad(expected, x64)[0], msg=f"scale {value}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_in_the_forward_gives_the_same_bits(device, name, reduction, monkeypatch):
+    """FUSED_GRADIENT_FROM_BYTES = 0: the forward writes the gradient even for small
+    operands; huge: backward computes it. Same bits either way, for grad_output 1 and not 1."""
+    assert functional.FUSED_GRADIENT_FROM_BYTES > 0
+    input, target = operands((3, 4099), device)
+    weight = make_weight("per-sample", device, shape=(3, 1))
+    scale = torch.tensor(0.7, device=device)
+    results = {}
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        for grad_output in (1.0, 0.37):
+            out = weighted_loss(name, input, target, reduction, weight=weight, scale=scale)
+            results[threshold, grad_output] = (out, *torch.autograd.grad(out * grad_output, (input, target)))
+    for grad_output in (1.0, 0.37):
+        for a, b in zip(results[0, grad_output], results[1 << 62, grad_output]):
+            assert torch.equal(a, b), f"grad_output {grad_output}"
+    expected = reference64(name, input, target, reduction, weight, scale)
+    assert_close64(results[0, 1.0][0], expected)
+
+
+# ---- 5. CUDA only ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda():
+    build.load()  # the kernels, or an error (not a silent fallback to torch)
+    return "cuda"
+
+
+CUDA_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16),
+               (torch.float16, torch.float16)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtypes", CUDA_DTYPES, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_dtypes(cuda, name, reduction, dtypes):
+    operand_dtype, weight_dtype = dtypes
+    input, target = operands(SHAPE, cuda, operand_dtype, clamp=8.0)
+    for weight_kind in ("none", "same-size", "per-sample", "per-channel", "mask", "bool-mask", "0-d", "last-dim"):
+        for requires_grad in (False, True):
+            weight = make_weight(weight_kind, cuda, weight_dtype, requires_grad=requires_grad)
+            for scale in (None, 0.5, make_scale("tensor", cuda, requires_grad=requires_grad)):
+                if weight is None and scale is None:
+                    continue
+                check_against_reference(name, reduction, input, target, weight, scale,
+                                        msg=f"weight {weight_kind}, requires grad: {requires_grad}, scale: {scale!r}")
+
+
+CUDA_SIZES = [0, 1, 4099, (1 << 20) + 3]
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", CUDA_SIZES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_sizes(cuda, name, reduction, n):
+    for shape, weight_shape in (((n,), (n,)), ((n,), ()), ((n, 2), (n, 1)), ((2, n), (2, 1)), ((n, 3), (1, 3))):
+        input, target = operands(shape, cuda)
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = make_weight("positive", cuda, dtype, shape=weight_shape)
+            check_against_reference(name, reduction, input, target, weight, make_scale("tensor", cuda, False),
+                                    msg=f"{shape}, weight {weight_shape} {dtype}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("operand_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32, torch.bfloat16, torch.bool], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_autocast(cuda, name, reduction, weight_dtype, operand_dtype):
+    """Under bf16 autocast: a float32 result (promoted with a floating weight's dtype), the
+    loss of the operands as float32; gradients in the operands' dtypes."""
+    input, target = operands((3, 4099), cuda, operand_dtype, clamp=8.0)
+    if weight_dtype is None:
+        weight = None
+    elif weight_dtype == torch.bool:
+        weight = make_weight("bool-mask", cuda, shape=(3, 1))
+    else:
+        weight = make_weight("positive", cuda, weight_dtype, shape=(3, 1))
+    scale = make_scale("tensor", cuda, requires_grad=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = weighted_loss(name, input, target, reduction, weight=weight, scale=scale)
+    assert out.dtype == torch.float32
+    x64, y64 = _as64(input.float()), _as64(target.float())
+    expected = reference64(name, x64, y64, reduction, weight, scale)
+    assert_close64(out, expected, torch.float32)
+    grad_output = random_grad_output(expected).float()
+    grads = torch.autograd.grad(out, (input, target), grad_output)
+    for g, e, t in zip(grads, torch.autograd.grad(expected, (x64, y64), grad_output.double()), (input, target)):
+        assert g.dtype == t.dtype
+        assert_gradient_close64(g, e, t.dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_scale_on_the_cpu(cuda, name):
+    input, target = operands(SHAPE, cuda)
+    for reduction in REDUCTIONS:
+        check_against_reference(name, reduction, input, target, make_weight("per-channel", cuda),
+                                make_scale("tensor", "cpu", requires_grad=False))
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_compiled_weighted_step_matches_eager(cuda, name):
+    torch._dynamo.reset()
+    input, target = operands((64, 4099), cuda)
+    weight = make_weight("positive", cuda, shape=(64, 1))
+
+    def step(x, y, w, s):
+        return weighted_loss(name, x, y, "mean", weight=w, scale=s)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for value in (0.5, 3.0):
+        s = torch.tensor(value, device=cuda)
+        out, eager = compiled(input, target, weight, s), step(input, target, weight, s)
+        assert_close64(out, eager.double())
+        assert_gradient_close64(torch.autograd.grad(out, input)[0], torch.autograd.grad(eager, input)[0].double())
+        assert_close64(out, reference64(name, input, target, "mean", weight, s))
+
+
+@requires_cuda
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["gradient-in-forward", "gradient-in-backward"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_graph_replay_reads_the_new_scale(cuda, name, reduction, threshold, monkeypatch):
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+    for shape in ((3, 4099), (3, (1 << 20) + 3)):
+        x, y = operands(shape, cuda)
+        weight = make_weight("positive", cuda, shape=(3, 1))
+        scale = torch.tensor(0.5, device=cuda)
+
+        def step():
+            x.grad = y.grad = None
+            out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
+            out.sum().backward()
+            return out, x.grad, y.grad
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step()
+        for value in (0.75, 1.0, -2.0, 3.5):
+            with torch.no_grad():
+                x.copy_(heavy_tailed(shape, device=cuda))
+                y.copy_(heavy_tailed(shape, device=cuda))
+                scale.fill_(value)
+            graph.replay()
+            x64, y64 = _as64(x), _as64(y)
+            expected = reference64(name, x64, y64, reduction, weight, value)
+            msg = f"{shape}, scale {value}"
+            assert_close64(static[0], expected, msg=msg)
+            for g, e in zip(static[1:], torch.autograd.grad(expected.sum(), (x64, y64))):
+                assert_gradient_close64(g, e, msg=msg)
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_weighted_step_has_no_host_sync(cuda, name, reduction):
+    cases = []
+    for shape in ((3, 4099), (3, (1 << 20) + 3)):
+        x, y = operands(shape, cuda)
+        cases.append((x, y, make_weight("positive", cuda, shape=(3, 1)), torch.tensor(0.5, device=cuda)))
+    cases.append((*operands(SHAPE, cuda), make_weight("mask", cuda), torch.tensor(2.0, device=cuda)))
+
+    def step(x, y, w, s):
+        x.grad = y.grad = None
+        weighted_loss(name, x, y, reduction, weight=w, scale=s).sum().backward()
+
+    for case in cases:  # warm-up: kernels loaded, notes allocated
+        step(*case)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for case in cases:
+            step(*case)
+            step(*case)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x, y, w, s = cases[-1]
+    x64, y64 = _as64(x), _as64(y)
+    expected = reference64(name, x64, y64, reduction, w, s)
+    for g, e in zip((x.grad, y.grad), torch.autograd.grad(expected.sum(), (x64, y64))):
+        assert_gradient_close64(g, e)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_same_bits_twice(cuda, name, reduction, dtype):
+    for shape, weight_kind in (((3, 4099), "per-sample"), ((3, (1 << 20) + 3), "per-sample"), (SHAPE, "mask")):
+        x, y = operands(shape, cuda, dtype, clamp=8.0)
+        weight = make_weight(weight_kind, cuda, shape=(3, 1) if len(shape) == 2 else None)
+        scale = torch.tensor(0.3, device=cuda)
+        runs = []
+        for _ in range(2):
+            out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
+            runs.append((out, *torch.autograd.grad(out.sum(), (x, y))))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), shape
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monkeypatch):
+    """2**25 float32 elements: operands past FUSED_GRADIENT_FROM_BYTES, so the forward
+    writes the gradient; the same bits as backward computing it, and float64's values."""
+    shape = (8, 4, 1 << 20)
+    x, y = operands(shape, cuda)
+    assert x.numel() >= 1 << 25
+    assert x.numel() * (x.element_size() + y.element_size()) >= functional.FUSED_GRADIENT_FROM_BYTES
+    weight = make_weight("positive", cuda, shape=(1, 4, 1))
+    scale = torch.tensor(0.25, device=cuda)
+    results = []
+    for threshold in (functional.FUSED_GRADIENT_FROM_BYTES, 1 << 62):
+        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
+        results.append((out, *torch.autograd.grad(out, (x, y))))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    x64, y64 = _as64(x), _as64(y)
+    expected = reference64(name, x64, y64, reduction, weight, scale)
+    assert_close64(results[0][0], expected)
+    assert_gradient_close64(results[0][1], torch.autograd.grad(expected, x64)[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("weight_kind", ["per-sample", "per-channel", "channel-row", "0-d"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_kind):
+    """A mean or sum with a broadcast weight allocates nothing of the operands' size."""
+    shape = (4, 5, 7, 1 << 15)
+    x, y = operands(shape, cuda)
+    weight = make_weight("positive", cuda, shape={"per-sample": (4, 1, 1, 1), "per-channel": (1, 5, 1, 1),
+                                           "channel-row": (1, 5, 7, 1), "0-d": ()}[weight_kind])
+    with torch.no_grad():
+        weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+    assert extra < x.numel() * x.element_size() // 8, f"{extra} bytes for {x.numel()} elements"
+    assert_close64(out, reference64(name, x, y, reduction, weight, 0.5))
+
+
+# ---- 6. fuzzing ----------------------------------------------------------------------------
+
+
+def _random_case(rng, device):
+    name = rng.choice(NAMES)
+    reduction = rng.choice(REDUCTIONS)
+    dtypes = [torch.float32, torch.float64] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
+    dtype = rng.choice(dtypes)
+    shape = [rng.choice([1, 2, 3, 5, 7, 13]) for _ in range(rng.randint(0, 4))]
+    if shape and rng.random() < 0.05:
+        shape[rng.randrange(len(shape))] = 0
+    input_shape, target_shape = list(shape), list(shape)
+    for dims in (input_shape, target_shape):
+        if rng.random() < 0.2:
+            for k in range(len(dims)):
+                if rng.random() < 0.4:
+                    dims[k] = 1
+    s = list(torch.broadcast_shapes(input_shape, target_shape))
+    weight_dtype = rng.choice([None, torch.float32, torch.float32, dtype, torch.bool])
+    weight_shape = [1 if rng.random() < 0.5 else n for n in s][rng.randint(0, len(s)):] if rng.random() < 0.3 \
+        else [1 if rng.random() < 0.5 else n for n in s]
+    param = {"mse": None, "l1": None, "smooth_l1": rng.choice([0.0, 0.25, 1.0, 2.0]),
+             "huber": rng.choice([0.5, 1.0, 3.0]), "pseudo_huber": rng.choice([0.1, 1.0, 3.0])}[name]
+    return dict(name=name, reduction=reduction, dtype=dtype, input_shape=input_shape, target_shape=target_shape,
+                weight_dtype=weight_dtype, weight_shape=weight_shape, param=param,
+                zeros_in_weight=rng.random() < 0.3, special_values=rng.random() < 0.2,
+                requires_grad=[rng.random() < 0.7 for _ in range(4)],
+                scale=rng.choice(["none", "float", "tensor", "tensor64"]))
+
+
+def _run_case(case, device):
+    __tracebackhide__ = True
+    clamp = 8.0 if case["dtype"] in (torch.float16, torch.bfloat16) else None
+    values = []
+    for shape in (case["input_shape"], case["target_shape"]):
+        t = heavy_tailed(tuple(shape), device=device)
+        t = t.clamp(-clamp, clamp) if clamp else t
+        if case["special_values"] and t.numel():
+            flat = t.view(-1)
+            for value in (float("nan"), float("inf"), -float("inf")):
+                flat[torch.randint(0, t.numel(), (1,))] = value
+        values.append(t.to(case["dtype"]))
+    input, target = (leaf(t, g) for t, g in zip(values, case["requires_grad"]))
+    weight = None
+    if case["weight_dtype"] is not None:
+        shape = tuple(case["weight_shape"])
+        w = torch.rand(shape, device=device) + 0.25
+        if case["zeros_in_weight"]:
+            w = w * (torch.rand(shape, device=device) < 0.5)
+        weight = w > 0.5 if case["weight_dtype"] == torch.bool else leaf(w.to(case["weight_dtype"]),
+                                                                          case["requires_grad"][2])
+    scale = {"none": None, "float": 0.625, "tensor": torch.tensor(1.75, device=device),
+             "tensor64": torch.tensor(0.375, dtype=torch.float64, device=device)}[case["scale"]]
+    if isinstance(scale, torch.Tensor):
+        scale.requires_grad_(case["requires_grad"][3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a target of another shape
+        out = weighted_loss(case["name"], input, target, case["reduction"], weight=weight, scale=scale,
+                            param=case["param"])
+    expected = reference64(case["name"], *map(_as64, (input, target)), case["reduction"], *map(_as64, (weight, scale)),
+                           param=case["param"])
+    got, want = out.dtype, expected_dtype(case["name"], input, target, weight)
+    assert got == want, f"result dtype {got}, expected {want}"
+    dtypes = (input.dtype,)
+    if torch_case(case["name"], input, weight):  # PyTorch sums its weight in the weight's dtype
+        dtypes += (weight.dtype,)
+    assert_close64(out, expected, *dtypes, msg="value")
+    if not case["special_values"] and expected.isfinite().all():
+        args = dict(input=input, target=target, weight=weight, scale=scale, param=case["param"])
+        check_gradients(case["name"], case["reduction"], out, args, dtypes)
+
+
+def test_fuzz(device, fresh_seed):
+    rng = random.Random(fresh_seed)
+    for i in range(FUZZ_CASES):
+        case = _random_case(rng, device)
+        try:
+            _run_case(case, device)
+        except Exception as error:
+            raise AssertionError(f"seed {fresh_seed}, case {i}: {case}\n{type(error).__name__}: {error}") from None
