@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
                          help="skip the training-loop rows (latency table, AMP, loss / 4, compiled model)")
     latency.add_argument("--only-latency", action="store_true",
                          help="run only the training-loop rows, not the 2^30 rows")
+    weighted = bench.add_mutually_exclusive_group()
+    weighted.add_argument("--no-weighted", action="store_true",
+                          help="skip the weighted-loss rows (weight=, scale=, pseudo-Huber)")
+    weighted.add_argument("--only-weighted", action="store_true",
+                          help="run only the weighted-loss rows (with --only-latency: and the training-loop rows)")
     bench.add_argument("--latency-exponents", type=int, nargs="+", metavar="K",
                        help="sizes 2^K of the latency table (default: 7 10 12 14 ... 30)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import bench as bench_module
 
     return bench_module.run(args.out, tuple(args.shape), with_training=not args.no_training, with_latency=not args.no_latency,
-                            only_latency=args.only_latency, latency_exponents=args.latency_exponents)
+                            only_latency=args.only_latency, latency_exponents=args.latency_exponents,
+                            with_weighted=not args.no_weighted, only_weighted=args.only_weighted)
 
 
 if __name__ == "__main__":

@@ -232,7 +232,8 @@ def cpu_demo() -> None:
 
 def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE,
         with_training: bool = True, with_latency: bool = True, only_latency: bool = False,
-        latency_exponents: tuple[int, ...] | None = None) -> int:
+        latency_exponents: tuple[int, ...] | None = None, with_weighted: bool = True,
+        only_weighted: bool = False) -> int:
     if not torch.cuda.is_available():
         print("fusedloss bench: no CUDA device, so nothing to time. fusedloss runs CPU tensors through "
               "torch.nn.functional, so this demo checks those results against float64:")
@@ -243,10 +244,13 @@ def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE,
     build.load()
     device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda}; shape {shape}")
-    from . import bench_training  # here: it imports this module's helpers
+    from . import bench_training, bench_weighted  # here: they import this module's helpers
 
-    if only_latency:
-        bench_training.run_all(out_dir, latency_exponents)
+    if only_latency or only_weighted:
+        if only_latency:
+            bench_training.run_all(out_dir, latency_exponents)
+        if only_weighted:
+            bench_weighted.run_all(out_dir)
         return 0
 
     jobs = [(bench_forward, case, dtype, ()) for dtype in (torch.float32, torch.bfloat16) for case in CASES]
@@ -261,5 +265,7 @@ def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE,
     (out_dir / "bench.txt").write_text(f"{device}; torch {torch.__version__}\n{table}\n")
     if with_latency:
         bench_training.run_all(out_dir, latency_exponents)
+    if with_weighted:
+        bench_weighted.run_all(out_dir)
     print(table)
     return 0
