@@ -24,6 +24,8 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
    read input + read target + write grad_input.
      user:  (F.mse_loss(p, t, reduction="none") * mask).sum() / mask.expand_as(p).sum()
      fused: fusedloss.mse_loss(p, t, weight=mask, reduction="sum", scale=1 / mask.expand_as(p).sum())
+   and, float32, fusedloss's own weighted mean, which divides by the mask's sum as it lies
+   (the same value): fusedloss.mse_loss(p, t, weight=mask). Wall time too.
 3. Per-sample-weighted diffusion MSE: bfloat16 latents (B, 4, 128, 128), B = 16, 32, 64, 128
    (2^20 .. 2^23 elements), a weight per sample w (B,). These sizes are bound by the host, so
    the row also gives host wall time per step of back-to-back steps (bench_training.wall_us,
@@ -80,7 +82,8 @@ SECTIONS = {
                  "fused mse_loss(p, t, weight=w, reduction='sum', scale=1 / p.numel())",
     "masked": "2. Masked MSE, float32 0/1 mask (B, T, 1), count inside the step: "
               "user (F.mse_loss(p, t, reduction='none') * mask).sum() / mask.expand_as(p).sum(); "
-              "fused mse_loss(p, t, weight=mask, reduction='sum', scale=1 / mask.expand_as(p).sum())",
+              "fused mse_loss(p, t, weight=mask, reduction='sum', scale=1 / mask.expand_as(p).sum()); "
+              "'weight=mask mean': fused mse_loss(p, t, weight=mask), the same value",
     "diffusion": "3. Per-sample-weighted diffusion MSE, bf16 latents, float32 w (B,): "
                  "user (F.mse_loss(p.float(), t.float(), reduction='none').mean(dim=(1, 2, 3)) * w).mean(); "
                  "fused mse_loss(p, t, weight=w.view(B, 1, 1, 1), reduction='sum', scale=1 / p.numel()); "
@@ -184,7 +187,10 @@ def graphcast_row(dtype: torch.dtype, shape: tuple[int, ...] = GRAPHCAST_SHAPE, 
     return measure("graphcast", f"mse, w (1,C,H,1), {shape}", p, t, losses, reps=10, log=log)
 
 
-def masked_row(dtype: torch.dtype, shape: tuple[int, ...] = MASKED_SHAPE, log: Callable = print) -> dict:
+def masked_row(dtype: torch.dtype, shape: tuple[int, ...] = MASKED_SHAPE, log: Callable = print,
+               builtin_mean: bool = False) -> dict:
+    """With `builtin_mean`, fusedloss's own weighted mean (`weight=mask`, reduction='mean'),
+    which divides by the mask's sum as it lies, against the same user code."""
     torch.manual_seed(0)
     batch, steps, _ = shape
     p, t = seed_inputs(shape, dtype, "cuda")
@@ -195,10 +201,13 @@ def masked_row(dtype: torch.dtype, shape: tuple[int, ...] = MASKED_SHAPE, log: C
         return (F.mse_loss(p, t, reduction="none") * mask).sum() / mask.expand_as(p).sum()
 
     compiled = _fresh_compile(user)
-    losses = {"fused": lambda: fusedloss.mse_loss(p, t, weight=mask, reduction="sum",
-                                                  scale=1 / mask.expand_as(p).sum()),
-              "eager": lambda: user(p, t, mask), "compile": lambda: compiled(p, t, mask)}
-    return measure("masked", f"mse, mask (B,T,1), {shape}", p, t, losses, log=log)
+    if builtin_mean:
+        fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask)), f"mse, weight=mask mean, {shape}"
+    else:
+        fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask, reduction="sum",
+                                                   scale=1 / mask.expand_as(p).sum())), f"mse, mask (B,T,1), {shape}"
+    losses = {"fused": fused, "eager": lambda: user(p, t, mask), "compile": lambda: compiled(p, t, mask)}
+    return measure("masked", label, p, t, losses, wall=True, log=log)
 
 
 def diffusion_row(batch: int, dtype: torch.dtype = torch.bfloat16, log: Callable = print) -> dict:
@@ -250,6 +259,7 @@ def jobs(log: Callable[[str], None] = print) -> list[tuple[str, Callable[[], dic
     """(section, row) in the order they run; each row allocates its tensors and frees them on return."""
     return ([("graphcast", functools.partial(graphcast_row, dtype, log=log)) for dtype in DTYPES]
             + [("masked", functools.partial(masked_row, dtype, log=log)) for dtype in DTYPES]
+            + [("masked", functools.partial(masked_row, torch.float32, log=log, builtin_mean=True))]
             + [("diffusion", functools.partial(diffusion_row, batch, log=log)) for batch in DIFFUSION_BATCHES]
             + [("pseudo_huber", functools.partial(pseudo_huber_row, dtype, log=log)) for dtype in DTYPES]
             + [("pseudo_huber", functools.partial(pseudo_huber_tensor_c_row, log=log))])
