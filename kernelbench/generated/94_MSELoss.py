@@ -153,7 +153,9 @@ template <typename T>
 struct PseudoHuberRoot {
   T root, inverse;
   __device__ __forceinline__ PseudoHuberRoot(T d, T c) {
-    const T square = d * d + c * c;
+    // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
+    // backward's could contract d * d + c * c differently and round their gradients apart.
+    const T square = fma(d, d, c * c);
     if constexpr (std::is_same_v<T, float>) {
       inverse = rsqrtf(square);
       root = isinf(square) ? square : square * inverse;
@@ -839,7 +841,9 @@ template <typename T>
 struct PseudoHuberRoot {
   T root, inverse;
   __device__ __forceinline__ PseudoHuberRoot(T d, T c) {
-    const T square = d * d + c * c;
+    // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
+    // backward's could contract d * d + c * c differently and round their gradients apart.
+    const T square = fma(d, d, c * c);
     if constexpr (std::is_same_v<T, float>) {
       inverse = rsqrtf(square);
       root = isinf(square) ? square : square * inverse;
