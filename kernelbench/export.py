@@ -38,10 +38,17 @@ def read_source(name: str, _seen: set[str] | None = None) -> str:
     return _LOCAL_INCLUDE.sub(paste, text.replace("#pragma once\n", ""))
 
 
+# The weighted reductions serve no KernelBench problem; the files leave them out
+# (``FUSEDLOSS_NO_WEIGHTED_KERNELS``), which keeps their one translation unit's compile short.
+_WEIGHTED_PREFIX = "weighted_"
+
+
 def cuda_source() -> str:
-    """Every ``.cu`` file of the build, in its order, as one translation unit; each header once."""
+    """Every ``.cu`` file of the build but the weighted ones, in its order, as one translation
+    unit; each header once."""
     seen: set[str] = set()
-    return "".join(read_source(name, seen) for name in build.SOURCES if name.endswith(".cu"))
+    return "".join(read_source(name, seen) for name in build.SOURCES
+                   if name.endswith(".cu") and not name.startswith(_WEIGHTED_PREFIX))
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,10 @@ CPP_SOURCE = $cpp
 CUDA_SOURCE = $cuda
 
 # The C++ standard is left to torch's cpp_extension, which picks the one its headers need.
-# The problems are float32 without autocast: the autocast kernels stay out of the one translation unit.
-COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS"]
+# The problems are float32 without autocast or weights: the autocast and weighted kernels stay out
+# of the one translation unit.
+COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS",
+                "-DFUSEDLOSS_NO_WEIGHTED_KERNELS"]
 
 
 def load_kernels() -> str:
@@ -156,7 +165,8 @@ def op_schemas() -> dict[str, str]:
     The schemas come from the operators ``fusedloss.ops`` defines, so the
     generated files cannot drift from them.
     """
-    names = re.findall(r'm\.impl\("(\w+)"', read_source("fusedloss_ops.cpp"))
+    names = [name for name in re.findall(r'm\.impl\("(\w+)"', read_source("fusedloss_ops.cpp"))
+             if not name.startswith(_WEIGHTED_PREFIX)]
     schemas = {}
     for name in names:
         schema = str(getattr(torch.ops.fusedloss, name).default._schema)

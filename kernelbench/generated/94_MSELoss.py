@@ -21,8 +21,6 @@ OP_SCHEMAS = {
     "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)",
     "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)",
     "scale_": "(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()",
-    "weighted_loss": "(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor, Tensor)",
-    "weighted_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)",
     "grad_output_history": "() -> Tensor",
 }
 
@@ -563,6 +561,9 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
+// A build may leave the weighted reductions out (the KernelBench files, which
+// need none of them and compile every kernel in one translation unit).
+#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
 // A weight as the weighted kernels read it (ElementWeight): in the loss's math
 // dtype, contiguous in its own shape when the dimensions it does not broadcast
 // over are one block of the loss's; other weights are expanded first.
@@ -692,6 +693,7 @@ std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
                                                        data_or_null(grad_target), c10::cuda::getCurrentCUDAStream()));
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
+#endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
@@ -718,8 +720,10 @@ TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("reduced_loss", &reduced_loss);
   m.impl("reduced_loss_backward", &reduced_loss_backward);
   m.impl("scale_", &scale_);
+#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
   m.impl("weighted_loss", &weighted_loss);
   m.impl("weighted_loss_backward", &weighted_loss_backward);
+#endif
 }
 
 // No tensor argument to dispatch on.
@@ -2240,136 +2244,13 @@ namespace fusedloss {
 template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Word*, void*, void*, bool, cudaStream_t);
 
 }  // namespace fusedloss
-// launch_weighted_reduced_loss, and its read-only pass (weighted_reduction.cuh).
-// The weighted reductions (launch.h): the plain reductions' ops with a
-// Weighted policy. The pass for each Grads is instantiated in its own
-// translation unit (weighted_reduced_loss*.cu), so that they compile in parallel.
-
-
-
-
-namespace fusedloss {
-
-template <class Loss, typename In, typename Tgt, Grads kGrads>
-using WeightedReducedLossOp = ReducedLossOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
-
-template <class Loss, typename In, typename Tgt, Grads kGrads>
-using WeightedReducedLossBackwardOp = ReducedLossBackwardOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
-
-template <class Op>
-void set_weights(Op& op, const LossProblem& p) {
-  using Stored = typename decltype(op.weights)::Stored;
-  op.weights.weight = static_cast<const Stored*>(p.weight.weight);
-  op.weights.inner = p.weight.inner;
-  op.weights.outer = p.weight.outer;
-  op.weights.dense = p.weight.dense;
-  op.weights.scale = p.scale;
-}
-
-// The pass that sums each tile into `partials` and writes the gradients kGrads
-// names, then the launch that adds the partials up into `out`.
-template <Grads kGrads>
-cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                 void* out, cudaStream_t stream);
-
-template <Grads kGrads>
-cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                 void* out, cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
-    using In = decltype(in);
-    using Tgt = decltype(tgt);
-    using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
-    const int64_t tiles = num_tiles<Op>(p.numel);
-    Op op = make_op<Op>(p);
-    set_weights(op, p);
-    if (tiles > 0) {
-      op.grad_input = static_cast<In*>(grad_input);
-      op.grad_target = static_cast<Tgt*>(grad_target);
-      weighted_reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, partials);
-      const cudaError_t err = cudaGetLastError();
-      if (err != cudaSuccess) return err;
-    }
-    using Out = typename Op::Out;
-    finish_weighted_reduction_kernel<Out><<<1, kBlockThreads, 0, stream>>>(partials, tiles, op.weights,
-                                                                           static_cast<Out*>(out));
-    return cudaGetLastError();
-  });
-}
-
-}  // namespace fusedloss
-
-
-namespace fusedloss {
-
-extern template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
-                                                                cudaStream_t);
-extern template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*,
-                                                                         void*, cudaStream_t);
-template cudaError_t launch_weighted_pass<Grads::kNone>(const LossProblem&, double*, void*, void*, void*,
-                                                        cudaStream_t);
-
-int64_t weighted_reduced_loss_partials(const LossProblem& p) {
-  int64_t tiles = 0;
-  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
-    // The tiles are the same whichever gradients are written.
-    tiles = num_tiles<WeightedReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
-    return cudaSuccess;
-  });
-  return tiles;
-}
-
-cudaError_t launch_weighted_reduced_loss(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                         void* out, cudaStream_t stream) {
-  if (grad_target != nullptr) {
-    return launch_weighted_pass<Grads::kInputAndTarget>(p, partials, grad_input, grad_target, out, stream);
-  }
-  if (grad_input != nullptr) return launch_weighted_pass<Grads::kInput>(p, partials, grad_input, nullptr, out, stream);
-  return launch_weighted_pass<Grads::kNone>(p, partials, nullptr, nullptr, out, stream);
-}
-
-}  // namespace fusedloss
-// launch_weighted_reduced_loss_backward (weighted_reduction.cuh).
-
-
-namespace fusedloss {
-
-cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& p, const void* grad_output, void* grad_input,
-                                                  void* grad_target, cudaStream_t stream) {
-  return with_gradient_op<WeightedReducedLossBackwardOp, true>(p, grad_input, grad_target,
-                                                                [&](auto op, int64_t tiles) {
-    using Op = decltype(op);
-    set_weights(op, p);
-    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-    reduced_loss_backward_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, nullptr);
-    return cudaGetLastError();
-  });
-}
-
-}  // namespace fusedloss
-// The weighted pass that also writes d loss / d target, and d loss / d input
-// where its pointer is set (weighted_reduction.cuh).
-
-
-namespace fusedloss {
-
-template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*, void*,
-                                                                  cudaStream_t);
-
-}  // namespace fusedloss
-// The weighted pass that also writes d loss / d input (weighted_reduction.cuh).
-
-
-namespace fusedloss {
-
-template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
-                                                         cudaStream_t);
-
-}  // namespace fusedloss
 """
 
 # The C++ standard is left to torch's cpp_extension, which picks the one its headers need.
-# The problems are float32 without autocast: the autocast kernels stay out of the one translation unit.
-COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS"]
+# The problems are float32 without autocast or weights: the autocast and weighted kernels stay out
+# of the one translation unit.
+COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS",
+                "-DFUSEDLOSS_NO_WEIGHTED_KERNELS"]
 
 
 def load_kernels() -> str:

@@ -257,6 +257,9 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
+// A build may leave the weighted reductions out (the KernelBench files, which
+// need none of them and compile every kernel in one translation unit).
+#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
 // A weight as the weighted kernels read it (ElementWeight): in the loss's math
 // dtype, contiguous in its own shape when the dimensions it does not broadcast
 // over are one block of the loss's; other weights are expanded first.
@@ -386,6 +389,7 @@ std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
                                                        data_or_null(grad_target), c10::cuda::getCurrentCUDAStream()));
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
+#endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
 void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
   TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
@@ -412,8 +416,10 @@ TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("reduced_loss", &reduced_loss);
   m.impl("reduced_loss_backward", &reduced_loss_backward);
   m.impl("scale_", &scale_);
+#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
   m.impl("weighted_loss", &weighted_loss);
   m.impl("weighted_loss_backward", &weighted_loss_backward);
+#endif
 }
 
 // No tensor argument to dispatch on.
