@@ -76,7 +76,8 @@ struct Weighted {
     return f;
   }
 
-  // Element `first + k`'s weight: one division per chunk, then a walk.
+  // Element `first + k`'s weight: one division per chunk, then one load, or a walk
+  // where the chunk crosses from one weight to the next.
   template <int W, typename V>
   __device__ __forceinline__ void load(Values<W, V>& v, int64_t first) const {
     if (weight == nullptr) {
@@ -85,15 +86,29 @@ struct Weighted {
     } else if (dense) {
       load_chunk(v.w, weight, first);
     } else {
-      const int64_t q = first / inner;
-      int64_t r = first - q * inner;
-      int64_t i = q % outer;
+      // In 32 bits where the indices fit: a 64-bit division costs a bf16 pass its bandwidth.
+      int64_t r, i;
+      if (((first | inner | outer) >> 32) == 0) {
+        const uint32_t q = uint32_t(first) / uint32_t(inner);
+        r = uint32_t(first) - q * uint32_t(inner);
+        i = q % uint32_t(outer);
+      } else {
+        const int64_t q = first / inner;
+        r = first - q * inner;
+        i = q % outer;
+      }
+      if (r + W <= inner) {  // the whole chunk under one weight
+        const Stored w = weight[i];
 #pragma unroll
-      for (int k = 0; k < W; ++k) {
-        v.w[k] = weight[i];
-        if (++r == inner) {
-          r = 0;
-          if (++i == outer) i = 0;
+        for (int k = 0; k < W; ++k) v.w[k] = w;
+      } else {
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+          v.w[k] = weight[i];
+          if (++r == inner) {
+            r = 0;
+            if (++i == outer) i = 0;
+          }
         }
       }
     }
