@@ -25,11 +25,16 @@ def torch_loss(input: Tensor, target: Tensor, loss: str, param: float, reduction
     return functional.LOSSES[loss].reference(input, target, reduction, param)
 
 
-def loss_grad(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
-    """d loss / d input per element, in the promoted dtype; d / d target is its negative."""
+def loss_grad(input: Tensor, target: Tensor, loss: str, param: float, times: Tensor | float = 1.0) -> Tensor:
+    """d loss / d input per element times `times` (grad_output, 1/N, a weight), rounded once into
+    the promoted dtype; d / d target is its negative."""
     # Broadcast first, as the losses do: a 0-d operand must not lose its dtype in promotion.
     input, target = torch.broadcast_tensors(input, target)
-    d = input - target
-    # fp32 math for 16-bit data, as the kernels do; beta or delta may not fit in fp16.
-    x = d.to(torch.promote_types(d.dtype, torch.float32))
-    return functional.LOSSES[loss].gradient(x, param).to(d.dtype)
+    dtype = torch.promote_types(input.dtype, target.dtype)
+    # fp32 math for 16-bit data, as the kernels do (beta or delta may not fit in fp16); the
+    # difference held in fp16 only for fp16, as PyTorch's fp16 kernels hold it.
+    math = torch.promote_types(dtype, torch.float32)
+    d = input.to(math) - target.to(math)
+    if dtype == torch.float16:
+        d = d.to(dtype).to(math)
+    return (functional.LOSSES[loss].gradient(d, param) * times).to(dtype)

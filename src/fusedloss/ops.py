@@ -198,9 +198,9 @@ def _gradients_cpu(
     autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     if autocast:
-        grad = formulas.loss_grad(as_autocast_would(input), as_autocast_would(target), loss, param) * grad_output
+        grad = formulas.loss_grad(as_autocast_would(input), as_autocast_would(target), loss, param, grad_output)
     else:
-        grad = formulas.loss_grad(input, target, loss, param) * grad_output
+        grad = formulas.loss_grad(input, target, loss, param, grad_output)
     grad_input = grad.to(input.dtype) if output_mask[0] else _grad_buffer(False, input, grad.shape)
     grad_target = (-grad).to(target.dtype) if output_mask[1] else _grad_buffer(False, target, grad.shape)
     return grad_input, grad_target
@@ -259,10 +259,10 @@ def weighted_gradients(
     """d loss / d input and d loss / d target of weighted_loss times grad_output, in the
     broadcast shape, with torch operations (differentiable: create_graph=True)."""
     operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
-    grad = formulas.loss_grad(*operands, loss, param)
     factor = weighted_factor(scale, divisor, host_scale)
     per_element = factor if weight is None else weight.to(torch.float64) * factor
-    grad = (grad.to(torch.float64) * per_element).to(grad.dtype) * grad_output
+    # Rounded once with the weight and scale, then times grad_output: the kernels' roundings.
+    grad = formulas.loss_grad(*operands, loss, param, per_element) * grad_output
     return grad.to(input.dtype), (-grad).to(target.dtype)
 
 
@@ -319,10 +319,12 @@ def _loss_gradients_composite(
     sum, one per element for 'none'), summed to each operand's shape."""
     shape = torch.broadcast_shapes(input.shape, target.shape)
     if reduction != "none":
-        per_element = grad_output / broadcast_numel(input, target) if reduction == "mean" else grad_output
-        grad_output = per_element.expand(shape)
+        if reduction == "mean":  # in at least fp32: rounding 1/N into bf16 would bias the gradient
+            grad_output = grad_output.to(torch.promote_types(grad_output.dtype, torch.float32))
+            grad_output = grad_output / broadcast_numel(input, target)
+        grad_output = grad_output.expand(shape)
     operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
-    grad = formulas.loss_grad(*operands, loss, param) * grad_output
+    grad = formulas.loss_grad(*operands, loss, param, grad_output)
     return _sum_to(grad.to(input.dtype), input), _sum_to((-grad).to(target.dtype), target)
 
 
