@@ -1,15 +1,38 @@
-"""Drop-in replacements for ``torch.nn.functional``'s regression losses.
+"""Drop-ins for ``torch.nn.functional``'s regression losses, and pseudo-Huber.
 
 On CUDA, float16, bfloat16, float32 and float64 operands (mixed pairs too)
 run on fusedloss's kernels, in eager mode and under CUDA autocast (which these
 losses follow: a float32 loss from 16-bit operands, read as they are) and CUDA
 graphs. Everything else is handed to ``torch.nn.functional`` unchanged, so
 results, warnings and errors there are PyTorch's own: CPU and other devices,
-other dtypes, tensor subclasses, ``weight``, invalid beta or delta, operands on
-different devices, torch.func transforms and forward-mode AD (which need
-PyTorch's rules), ``torch.compile`` (whose inductor fuses PyTorch's formula
-with the ops around the loss), and everything when the kernels cannot be built
-(see ``build.use_kernels``).
+other dtypes, tensor subclasses, invalid beta or delta, operands on different
+devices, torch.func transforms and forward-mode AD (which need PyTorch's
+rules), ``torch.compile`` (whose inductor fuses PyTorch's formula with the ops
+around the loss), and everything when the kernels cannot be built (see
+``build.use_kernels``).
+
+Weights and scale (every loss):
+
+- ``weight`` broadcasts to the loss's shape (the broadcast of input and target)
+  without widening it, and multiplies each element's loss; the kernels read it
+  where it lies. PyTorch's own case (MSE, L1 and Huber with a weight of the
+  input's size, torch >= 2.6) gives PyTorch's values, dtypes, errors and mean.
+  A broadcast weight, and a weight for Smooth L1 and pseudo-Huber, are
+  fusedloss's extensions, which PyTorch would reject.
+- ``reduction='mean'`` with a weight is the weighted mean ``sum(w * l) / sum(w)``,
+  the weight summed as if expanded to the loss's shape (as given, in PyTorch's
+  own case); Huber's divides by N, as PyTorch's does.
+- The result has the promoted dtype of the loss and a floating-point weight (a
+  bool or integer mask keeps the loss's); float32 under CUDA autocast.
+- ``scale``, a number or a 0-d tensor, multiplies the reduced loss (each element
+  for ``'none'``) inside the op, without changing its dtype; a tensor on the
+  loss's device is read on the GPU, never by the host. A masked mean is
+  ``weight=mask`` (or ``reduction='sum', scale=1 / count``), gradient
+  accumulation ``scale=1 / k``, a data-parallel mean ``reduction='sum',
+  scale=world_size / all_reduced_count``.
+- A weight or scale that requires grad gets its gradient, computed with torch
+  operations around the fused unweighted loss, as are ``reduction='none'`` with
+  a weight or scale and a tensor ``c`` for pseudo-Huber.
 """
 
 from __future__ import annotations
@@ -62,6 +85,7 @@ LOSSES: dict[str, Loss] = {
         lambda d, c: 2 * c * d / torch.sqrt(d * d + c * c),
     ),
 }
+
 
 def _pseudo_huber(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
     """2c(sqrt(d^2 + c^2) - c) in at least float32 (as diffusers casts first), written as the
@@ -171,7 +195,7 @@ def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
                          f"shape {tuple(shape)}")
 
 
-def _scale_value(scale: float | Tensor | None) -> None:
+def _check_scale(scale: float | Tensor | None) -> None:
     if isinstance(scale, Tensor) and scale.dim() != 0:
         raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}")
 
@@ -218,7 +242,7 @@ def _weighted_loss(
     """A loss given weight= or scale= (see the public functions): one fused pass where the
     kernels apply, else torch operations around `unweighted` (the loss with reduction='none').
     `torch_weighted` is torch.nn.functional's own weighted loss, where PyTorch has one."""
-    _scale_value(scale)
+    _check_scale(scale)
     # PyTorch's own weighted loss (a weight of the input's size): its values, errors and
     # mean, whose denominator sums the weight as given, also where the target broadcasts it.
     pytorch_case = (torch_weighted is not None and isinstance(weight, Tensor) and weight.size() == input.size())
