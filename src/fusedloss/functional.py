@@ -149,6 +149,22 @@ def _under_a_transform() -> bool:
     return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
+def _warn_if_target_broadcasts(input: Tensor, target: Tensor, stacklevel: int) -> None:
+    """torch.nn.functional's warning, pointed at the user's call `stacklevel` frames up."""
+    if target.shape != input.shape:
+        warnings.warn(
+            f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
+            "This will likely lead to incorrect results due to broadcasting. "
+            "Please ensure they have the same size.",
+            stacklevel=stacklevel,
+        )
+
+
+def _under_autocast(input: Tensor, target: Tensor, device_type: str = "cuda") -> bool:
+    """Autocast runs these losses in float32 (they are on its float32 list) when an operand is 16-bit."""
+    return (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled(device_type)
+
+
 def _fused_loss(
     loss: str,
     param: float,
@@ -159,20 +175,13 @@ def _fused_loss(
     reduction: str,
 ) -> Tensor:
     """The steps of torch.nn.functional's losses, in its order, then one fused op."""
-    if target.shape != input.shape:
-        warnings.warn(
-            f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
-            "This will likely lead to incorrect results due to broadcasting. "
-            "Please ensure they have the same size.",
-            stacklevel=3,
-        )
+    _warn_if_target_broadcasts(input, target, stacklevel=4)
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     mode = reduction if reduction in _MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
-    # CUDA autocast runs these losses in float32 (they are on its float32 list).
-    autocast = (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled("cuda")
+    autocast = _under_autocast(input, target)
     if mode == "none":
         if autocast:
             input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)
@@ -218,7 +227,7 @@ def _fused_weighted_applies(input: Tensor, target: Tensor, weight: Tensor | None
     )
     scale_fits = not isinstance(scale, Tensor) or (
         not has_torch_function_variadic(scale)
-        and scale.device in (input.device, torch.device("cpu"))
+        and (scale.device == input.device or scale.device.type == "cpu")
         and not scale.is_complex()
         and not _needs_grad(scale)
     )
@@ -254,7 +263,7 @@ def _weighted_loss(
     if reduction not in _MODES:
         raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
     if fusable and reduction != "none" and _kernels_apply(input, target):
-        autocast = (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled("cuda")
+        autocast = _under_autocast(input, target)
         loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
         if _fused_weighted_applies(input, target, weight, scale, loss_dtype):
             return _fused_weighted_loss(loss, param, input, target, shape, reduction, weight, scale, autocast,
@@ -295,13 +304,7 @@ def _fused_weighted_loss(
     loss_dtype: torch.dtype,
     pytorch_case: bool,
 ) -> Tensor:
-    if target.shape != input.shape:
-        warnings.warn(
-            f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
-            "This will likely lead to incorrect results due to broadcasting. "
-            "Please ensure they have the same size.",
-            stacklevel=4,
-        )
+    _warn_if_target_broadcasts(input, target, stacklevel=5)
     numel = shape.numel()
     # A weight that widens the loss's dtype (bf16 operands, a float32 weight) makes it
     # float32: the autocast kernels' math, which reads 16-bit operands as float32.
@@ -474,6 +477,4 @@ def pseudo_huber_loss(
 
 
 def _pseudo_huber_formula(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
-    if (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled(input.device.type):
-        input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)
-    return _pseudo_huber(input, target, c)
+    return _pseudo_huber(*ops.as_computed(input, target, _under_autocast(input, target, input.device.type)), c)

@@ -97,9 +97,13 @@ def as_autocast_would(operand: Tensor) -> Tensor:
     return operand.float() if operand.dtype in (torch.float16, torch.bfloat16) else operand
 
 
+def as_computed(input: Tensor, target: Tensor, autocast: bool) -> tuple[Tensor, Tensor]:
+    """The operands the loss is computed from: as autocast hands them over with `autocast`."""
+    return (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+
+
 def _loss_dtype(input: Tensor, target: Tensor, loss: str, autocast: bool = False) -> torch.dtype:
-    if autocast:
-        input, target = as_autocast_would(input), as_autocast_would(target)
+    input, target = as_computed(input, target, autocast)
     return formulas.loss_dtype(input.dtype, target.dtype, loss)
 
 
@@ -197,10 +201,7 @@ def _gradients_cpu(
     grad_output: Tensor | float, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool],
     autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    if autocast:
-        grad = formulas.loss_grad(as_autocast_would(input), as_autocast_would(target), loss, param, grad_output)
-    else:
-        grad = formulas.loss_grad(input, target, loss, param, grad_output)
+    grad = formulas.loss_grad(*as_computed(input, target, autocast), loss, param, grad_output)
     grad_input = grad.to(input.dtype) if output_mask[0] else _grad_buffer(False, input, grad.shape)
     grad_target = (-grad).to(target.dtype) if output_mask[1] else _grad_buffer(False, target, grad.shape)
     return grad_input, grad_target
@@ -223,10 +224,7 @@ def _reduced_loss_cpu(
     input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
     history_slot: int = -1, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if autocast:
-        out = formulas.torch_loss(as_autocast_would(input), as_autocast_would(target), loss, param, reduction)
-    else:
-        out = formulas.torch_loss(input, target, loss, param, reduction)
+    out = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, reduction)
     scale = _reduction_scale(reduction, input, target)
     return (out, *_gradients_cpu(scale, input, target, loss, param, output_mask, autocast))
 
@@ -258,7 +256,7 @@ def weighted_gradients(
 ) -> tuple[Tensor, Tensor]:
     """d loss / d input and d loss / d target of weighted_loss times grad_output, in the
     broadcast shape, with torch operations (differentiable: create_graph=True)."""
-    operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+    operands = as_computed(input, target, autocast)
     factor = weighted_factor(scale, divisor, host_scale)
     per_element = factor if weight is None else weight.to(torch.float64) * factor
     # Rounded once with the weight and scale, then times grad_output: the kernels' roundings.
@@ -271,7 +269,7 @@ def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+    operands = as_computed(input, target, autocast)
     per_element = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
     if weight is not None:
         per_element = per_element * weight.to(torch.float64)
@@ -323,7 +321,7 @@ def _loss_gradients_composite(
             grad_output = grad_output.to(torch.promote_types(grad_output.dtype, torch.float32))
             grad_output = grad_output / broadcast_numel(input, target)
         grad_output = grad_output.expand(shape)
-    operands = (as_autocast_would(input), as_autocast_would(target)) if autocast else (input, target)
+    operands = as_computed(input, target, autocast)
     grad = formulas.loss_grad(*operands, loss, param, grad_output)
     return _sum_to(grad.to(input.dtype), input), _sum_to((-grad).to(target.dtype), target)
 
