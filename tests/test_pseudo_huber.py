@@ -235,6 +235,45 @@ def test_tensor_c(device, reduction, c_shape):
             assert_close64(g, w, rtol_factor=4, msg=f"gradient, c requires grad: {requires_grad}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_tensor_c_dtypes_and_a_broadcast_target(device, reduction, dtype):
+    """Operands of every dtype (the loss computed in at least float32, returned in their
+    dtype), a target that broadcasts, and a c that widens the loss's shape."""
+    input, target = operands(SHAPE, device, dtype)
+    c = per_sample_c(device)
+    for target_, c_ in ((target, c), (leaf(target[:1]), c), (target, per_sample_c(device, shape=(2, 1, 1, 1, 1)))):
+        if target_.shape != input.shape:
+            with pytest.warns(UserWarning, match="target size"):
+                out = fusedloss.pseudo_huber_loss(input, target_, c=c_, reduction=reduction)
+        else:
+            out = fusedloss.pseudo_huber_loss(input, target_, c=c_, reduction=reduction)
+        assert out.dtype == dtype
+        x64, y64, c64 = _as64(input), _as64(target_), _as64(c_)
+        expected = pseudo_huber64(x64, y64, c64, reduction)
+        assert out.shape == expected.shape
+        assert_close64(out, expected)
+        grad_output = torch.rand(out.shape, device=device) + 0.5
+        got = torch.autograd.grad(out, (input, target_, c_), grad_output.to(dtype))
+        want = torch.autograd.grad(expected, (x64, y64, c64), grad_output.to(dtype).double())
+        for g, w, t in zip(got, want, (input, target_, c_)):
+            assert g.dtype == t.dtype and g.shape == t.shape
+            assert_close64(g, w, dtype, rtol_factor=4, msg=f"gradient of {tuple(t.shape)}")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_tensor_c_second_derivatives(device, reduction):
+    """create_graph=True: gradgradcheck with respect to input, target and c (float64)."""
+    input, target = (leaf(heavy_tailed((3, 4, 5), device=device).double()) for _ in range(2))
+    c = leaf(torch.rand(3, 1, 1, device=device, dtype=torch.float64) + 0.1)
+
+    def loss(a, b, k):
+        return fusedloss.pseudo_huber_loss(a, b, c=k, reduction=reduction)
+
+    assert torch.autograd.gradcheck(loss, (input, target, c))
+    assert torch.autograd.gradgradcheck(loss, (input, target, c))
+
+
 @pytest.mark.parametrize("scale", [None, 0.5, "tensor"])
 @pytest.mark.parametrize("weight_kind", [None, "per-sample", "per-channel", "bool-mask", "same-size"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
