@@ -5,9 +5,9 @@ gradients, grad_output == 1 and != 1, written by the forward or recomputed in
 backward), 16-byte aligned and misaligned operands, lengths that leave a tail
 after the last full vector, reductions of one block and of many (blockwise and
 tile per block), and the autocast kernels that read 16-bit operands; the
-weighted reductions with each weight layout (none, one value, a block of
-dimensions, the loss's own size, an expanded one) and scale on the host and on
-the device.
+weighted reductions with each weight layout (none, one value, one to three
+runs of dimensions, runs shorter than a chunk, the loss's own size) and scale
+on the host and on the device.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ LOSSES = {
     "huber": (fusedloss.huber_loss, {"delta": 2.0}),
     "pseudo_huber": (fusedloss.pseudo_huber_loss, {"c": 0.5}),
 }
-WEIGHT_SHAPES = (None, (), (1, 7, 1), (1, 7, 13), (5, 1, 13))
+WEIGHT_SHAPES = (None, (), (1, 7, 1), (1, 7, 13), (5, 1, 13), (13,), (5, 7, 13))
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float16), (torch.float64, torch.float64)]
 AUTOCAST_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16),

@@ -1052,8 +1052,55 @@ def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monke
     assert_gradient_close64(results[0][1], torch.autograd.grad(expected, x64)[0])
 
 
+# (loss shape, weight shape): the weight's runs of dimensions (ElementWeight) one to three,
+# innermost runs long and short, of a multiple of 8 weights (vector loads) or not, shorter
+# than a chunk (every chunk walks), and four runs (expanded first).
+WEIGHT_LAYOUTS = [
+    ((6, 5, 8, 16), (6, 1, 8, 16)),  # a spatial mask
+    ((6, 5, 8, 16), (1, 5, 1, 16)),
+    ((6, 5, 8, 16), (6, 5, 1, 16)),
+    ((6, 5, 8, 16), (6, 1, 8, 1)),  # four runs
+    ((4, 3, 5, 7), (4, 1, 5, 7)),
+    ((2, 3, 2, 3), (2, 1, 2, 3)),
+    ((5, 3, 1000, 3), (1, 3, 1, 3)),
+    ((7, 9, 33), (7, 1, 33)),
+    ((1001, 3), (3,)),
+    ((3, 1, 4099), (3, 1, 1)),
+    ((2, 4096, 1, 8), (1, 4096, 1, 8)),
+]
+
+
 @requires_cuda
-@pytest.mark.parametrize("weight_kind", ["per-sample", "per-channel", "channel-row", "0-d"])
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2,
+                                    (torch.float64,) * 2, (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS, ids=str)
+@pytest.mark.parametrize("name", ["mse", "smooth_l1"])
+def test_cuda_weight_read_in_place_has_the_expanded_weights_bits(cuda, name, layout, dtypes, monkeypatch):
+    """A broadcast weight read where it lies gives the bits of the same weight expanded to
+    the loss's size (read as a dense weight): the sum, and both gradients, written in the
+    forward's pass and in backward's."""
+    shape, weight_shape = layout
+    x, y = operands(shape, cuda, dtypes[0])
+    y = leaf(y.to(dtypes[1]))
+    weight = make_weight("positive", cuda, torch.float64 if dtypes[0] == torch.float64 else torch.float32,
+                         shape=weight_shape)
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        results = []
+        for w in (weight, weight.expand(shape).contiguous()):
+            out = weighted_loss(name, x, y, "sum", weight=w, scale=0.5)
+            results.append((out, *torch.autograd.grad(out, (x, y))))
+        for a, b, what in zip(*results, ("loss", "grad input", "grad target")):
+            assert torch.equal(a, b), f"{what}, fused gradient threshold {threshold}"
+    x64, y64 = _as64(x), _as64(y)
+    expected = reference64(name, x64, y64, "sum", weight, 0.5)
+    assert_close64(results[0][0], expected, *dtypes)
+    assert_gradient_close64(results[0][1], torch.autograd.grad(expected, x64)[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("weight_kind", ["per-sample", "per-channel", "channel-row", "0-d", "spatial-mask",
+                                         "channel-column"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_kind):
@@ -1061,7 +1108,9 @@ def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_k
     shape = (4, 5, 7, 1 << 15)
     x, y = operands(shape, cuda)
     weight = make_weight("positive", cuda, shape={"per-sample": (4, 1, 1, 1), "per-channel": (1, 5, 1, 1),
-                                           "channel-row": (1, 5, 7, 1), "0-d": ()}[weight_kind])
+                                           "channel-row": (1, 5, 7, 1), "0-d": (),
+                                           "spatial-mask": (4, 1, 7, 1 << 15),
+                                           "channel-column": (1, 5, 1, 1 << 15)}[weight_kind])
     with torch.no_grad():
         weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)  # warm-up
         torch.cuda.synchronize()
@@ -1070,7 +1119,9 @@ def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_k
         out = weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - before
-    assert extra < x.numel() * x.element_size() // 8, f"{extra} bytes for {x.numel()} elements"
+    # A weighted mean sums the weight in float64, through a float64 copy of it.
+    copy = 8 * weight.numel() if reduction == "mean" else 0
+    assert extra < x.numel() * x.element_size() // 8 + copy, f"{extra} bytes for {x.numel()} elements"
     assert_close64(out, reference64(name, x, y, reduction, weight, 0.5))
 
 

@@ -43,6 +43,7 @@ CPP_SOURCE = r"""// CUDA kernels for the fusedloss:: operators, whose schemas, f
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -225,16 +226,29 @@ struct DeviceScale {
   DType divisor_dtype = DType::kFloat32;
 };
 
-// A weight per element, read where it lies: element e's weight is
-// weight[(e / inner) % outer], a contiguous block of the loss's dimensions
-// with the weight broadcast over those before and after it; `dense`: a weight
-// of the loss's own size, weight[e]. In float32, or float64 with fp64
-// operands. Null: every weight is 1.
+// A weight per element, read where it lies. The loss's dimensions are merged
+// into runs, innermost first, that the weight either spans (stride: its stride
+// over the run) or broadcasts over (stride 0); element e's weight is
+// weight[sum of e's coordinate in each run times the run's stride]. An
+// outermost run the weight broadcasts over is left out: it adds nothing.
+// `dense`: a weight of the loss's own size, weight[e]. `vector_loads`: every
+// chunk that stays within the innermost run starts at a 16-byte-aligned
+// weight. `index_32bit`: all indices fit 32 bits, and q / size[d] =
+// (umulhi(q, magic[d]) + q) >> shift[d] (Granlund and Montgomery's division by
+// invariant integers); at most kWideWeightRuns runs where they don't. In
+// float32, or float64 with fp64 operands. Null: every weight is 1.
+constexpr int kWeightRuns = 3;
+constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
-  int64_t inner = 1;
-  int64_t outer = 1;
+  int runs = 0;  // 0: one weight for every element
+  int64_t size[kWeightRuns] = {};
+  int64_t stride[kWeightRuns] = {};
+  uint32_t magic[kWeightRuns] = {};
+  uint32_t shift[kWeightRuns] = {};
   bool dense = false;
+  bool vector_loads = false;
+  bool index_32bit = false;
 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
@@ -581,41 +595,56 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   const int64_t rank = static_cast<int64_t>(shape.size());
   const int64_t skip = rank - w.dim();
   TORCH_CHECK(skip >= 0, "fusedloss: a weight of shape ", w.sizes(), " does not broadcast to the loss's shape ", shape);
-  // The loss's dimensions of size > 1 that the weight spans must be one block.
-  int64_t first = -1, last = -1;
-  bool block_ended = false, one_block = true;
-  for (int64_t i = 0; i < rank; ++i) {
+  // The loss's dimensions of size > 1, merged into runs the weight spans or broadcasts over.
+  struct Run {
+    int64_t size;
+    bool spanned;
+  };
+  std::vector<Run> runs;  // innermost first
+  for (int64_t i = rank - 1; i >= 0; --i) {
     const int64_t size = i < skip ? 1 : w.size(i - skip);
     TORCH_CHECK(size == shape[i] || size == 1, "fusedloss: a weight of shape ", w.sizes(),
                 " does not broadcast to the loss's shape ", shape);
     if (shape[i] == 1) continue;
-    if (size == 1) {
-      block_ended = first >= 0;
+    const bool spanned = size != 1;
+    if (!runs.empty() && runs.back().spanned == spanned) {
+      runs.back().size *= shape[i];
     } else {
-      one_block = one_block && !block_ended;
-      if (first < 0) first = i;
-      last = i;
+      runs.push_back({shape[i], spanned});
     }
   }
+  if (!runs.empty() && !runs.back().spanned) runs.pop_back();
+  const int64_t numel = c10::multiply_integers(shape);
+  if (numel == 0) runs.clear();  // nothing to read, and no run to divide by
   at::Tensor stored = as_dtype(w, math_dtype);
-  if (!one_block) {
+  const bool index_32bit = numel <= static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
+  if (static_cast<int64_t>(runs.size()) > (index_32bit ? kWeightRuns : kWideWeightRuns)) {
     stored = stored.expand(shape);
-    first = 0;
-    last = rank - 1;
+    runs = {{numel, true}};
   }
   out.tensor = as_kernel_layout(stored);
-  // first < 0: one weight for every element.
-  int64_t inner = 1, outer = 1;
-  for (int64_t i = 0; i < rank; ++i) {
-    if (first < 0 || i > last) {
-      inner *= shape[i];
-    } else if (i >= first) {
-      outer *= shape[i];
+  ElementWeight& layout = out.layout;
+  layout.weight = out.tensor.data_ptr();
+  layout.runs = static_cast<int>(runs.size());
+  int64_t stride = 1;  // the stored weight is contiguous
+  for (size_t d = 0; d < runs.size(); ++d) {
+    layout.size[d] = runs[d].size;
+    layout.stride[d] = runs[d].spanned ? stride : 0;
+    if (runs[d].spanned) stride *= runs[d].size;
+    if (index_32bit) {
+      // The smallest shift with 2^shift >= size, and magic = 2^32 (2^shift - size) / size + 1 < 2^32.
+      const uint64_t size = static_cast<uint64_t>(runs[d].size);
+      uint32_t shift = 0;
+      while ((uint64_t{1} << shift) < size) ++shift;
+      layout.shift[d] = shift;
+      layout.magic[d] = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - size)) / size + 1);
     }
   }
-  inner = std::max<int64_t>(inner, 1);
-  const bool dense = inner == 1 && outer == c10::multiply_integers(shape);  // spans every dimension
-  out.layout = ElementWeight{out.tensor.data_ptr(), inner, outer, dense};
+  layout.dense = runs.size() == 1 && runs[0].spanned && runs[0].size == numel;
+  // A chunk starts at a multiple of its width (at most 8): so does its weight's index
+  // when the innermost run is the whole loss, or a multiple of 8 long.
+  layout.vector_loads = !runs.empty() && runs[0].spanned && (runs[0].size == numel || runs[0].size % 8 == 0);
+  layout.index_32bit = index_32bit;
   return out;
 }
 
@@ -919,16 +948,29 @@ struct DeviceScale {
   DType divisor_dtype = DType::kFloat32;
 };
 
-// A weight per element, read where it lies: element e's weight is
-// weight[(e / inner) % outer], a contiguous block of the loss's dimensions
-// with the weight broadcast over those before and after it; `dense`: a weight
-// of the loss's own size, weight[e]. In float32, or float64 with fp64
-// operands. Null: every weight is 1.
+// A weight per element, read where it lies. The loss's dimensions are merged
+// into runs, innermost first, that the weight either spans (stride: its stride
+// over the run) or broadcasts over (stride 0); element e's weight is
+// weight[sum of e's coordinate in each run times the run's stride]. An
+// outermost run the weight broadcasts over is left out: it adds nothing.
+// `dense`: a weight of the loss's own size, weight[e]. `vector_loads`: every
+// chunk that stays within the innermost run starts at a 16-byte-aligned
+// weight. `index_32bit`: all indices fit 32 bits, and q / size[d] =
+// (umulhi(q, magic[d]) + q) >> shift[d] (Granlund and Montgomery's division by
+// invariant integers); at most kWideWeightRuns runs where they don't. In
+// float32, or float64 with fp64 operands. Null: every weight is 1.
+constexpr int kWeightRuns = 3;
+constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
-  int64_t inner = 1;
-  int64_t outer = 1;
+  int runs = 0;  // 0: one weight for every element
+  int64_t size[kWeightRuns] = {};
+  int64_t stride[kWeightRuns] = {};
+  uint32_t magic[kWeightRuns] = {};
+  uint32_t shift[kWeightRuns] = {};
   bool dense = false;
+  bool vector_loads = false;
+  bool index_32bit = false;
 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
@@ -1227,7 +1269,8 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 // plain losses: nothing to load, nothing multiplied, the code of a loss with no
 // weight) or Weighted (an ElementWeight and a DeviceScale, read on the device).
 struct Unweighted {
-  static constexpr int kBlocksPerSm = fusedloss::kBlocksPerSm;
+  template <int kVec>
+  static constexpr int kBlocksPerSmFor = fusedloss::kBlocksPerSm;
   template <int W, typename T>
   struct Values {};
   template <int W, typename T>
@@ -1238,10 +1281,16 @@ struct Unweighted {
   __device__ __forceinline__ void begin(T&) const {}
 };
 
+struct WeightIndex {
+  int64_t index, inner_at;
+};
+
 template <typename T>
 struct Weighted {
-  // The weights and the index walk need more than 32 registers a thread.
-  static constexpr int kBlocksPerSm = 6;
+  // The weights and the index walk need more than 32 registers a thread; chunks of 8
+  // (16-bit operands) more than 40.
+  template <int kVec>
+  static constexpr int kBlocksPerSmFor = kVec >= 8 ? 5 : 6;
   using Stored = T;  // float32, or float64 with fp64 operands (ElementWeight)
   template <int W, typename V>
   struct Values {
@@ -1249,9 +1298,7 @@ struct Weighted {
   };
 
   const Stored* __restrict__ weight;
-  int64_t inner;
-  int64_t outer;
-  bool dense;
+  ElementWeight layout;
   DeviceScale scale;
 
   __device__ __forceinline__ double factor() const {
@@ -1261,39 +1308,77 @@ struct Weighted {
     return f;
   }
 
-  // Element `first + k`'s weight: one division per chunk, then one load, or a walk
-  // where the chunk crosses from one weight to the next.
+  // Element e's weight index and its coordinate in the innermost run: one division per
+  // run, by multiplication where the indices fit 32 bits (ElementWeight's magic numbers).
+  // 64-bit indices come with at most kWideWeightRuns runs (ElementWeight).
+  __device__ __forceinline__ WeightIndex locate(int64_t e) const {
+    if (layout.index_32bit) {
+      uint32_t q = uint32_t(e), index = 0, inner_at = 0;
+#pragma unroll
+      for (int d = 0; d < kWeightRuns; ++d) {
+        if (d < layout.runs) {
+          const uint32_t next = uint32_t((uint64_t(__umulhi(q, layout.magic[d])) + q) >> layout.shift[d]);
+          const uint32_t at = q - next * uint32_t(layout.size[d]);
+          if (d == 0) inner_at = at;
+          index += at * uint32_t(layout.stride[d]);
+          q = next;
+        }
+      }
+      return {index, inner_at};
+    }
+    int64_t q = e, index = 0, inner_at = 0;
+#pragma unroll
+    for (int d = 0; d < kWideWeightRuns; ++d) {
+      if (d < layout.runs) {
+        const int64_t next = q / layout.size[d], at = q - next * layout.size[d];
+        if (d == 0) inner_at = at;
+        index += at * layout.stride[d];
+        q = next;
+      }
+    }
+    return {index, inner_at};
+  }
+
+  // Element `first + k`'s weight: one load (a vector load, or W loads of neighbours) for a
+  // chunk within the innermost run, else a walk that locates each run it enters.
   template <int W, typename V>
   __device__ __forceinline__ void load(Values<W, V>& v, int64_t first) const {
-    if (weight == nullptr) {
+    if (weight == nullptr || layout.runs == 0) {
+      const Stored w = weight == nullptr ? Stored(1) : weight[0];
 #pragma unroll
-      for (int k = 0; k < W; ++k) v.w[k] = Stored(1);
-    } else if (dense) {
+      for (int k = 0; k < W; ++k) v.w[k] = w;
+      return;
+    }
+    if (layout.dense) {
       load_chunk(v.w, weight, first);
-    } else {
-      // In 32 bits where the indices fit: a 64-bit division costs a bf16 pass its bandwidth.
-      int64_t r, i;
-      if (((first | inner | outer) >> 32) == 0) {
-        const uint32_t q = uint32_t(first) / uint32_t(inner);
-        r = uint32_t(first) - q * uint32_t(inner);
-        i = q % uint32_t(outer);
-      } else {
-        const int64_t q = first / inner;
-        r = first - q * inner;
-        i = q % outer;
-      }
-      if (r + W <= inner) {  // the whole chunk under one weight
-        const Stored w = weight[i];
+      return;
+    }
+    WeightIndex where = locate(first);
+    int64_t index = where.index, at = where.inner_at;
+    if (at + W <= layout.size[0]) {
+      if (layout.stride[0] == 0) {
+        const Stored w = weight[index];
 #pragma unroll
         for (int k = 0; k < W; ++k) v.w[k] = w;
+      } else if (layout.vector_loads) {
+        static_assert(W <= 8, "vector_loads promises alignment for chunks of up to 8 weights");
+        load_chunk(v.w, weight, index);
       } else {
 #pragma unroll
-        for (int k = 0; k < W; ++k) {
-          v.w[k] = weight[i];
-          if (++r == inner) {
-            r = 0;
-            if (++i == outer) i = 0;
-          }
+        for (int k = 0; k < W; ++k) v.w[k] = weight[index + k];
+      }
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      v.w[k] = weight[index];
+      if (k + 1 < W) {
+        if (++at < layout.size[0]) {
+          index += layout.stride[0];
+        } else {
+          where = locate(first + k + 1);
+          index = where.index;
+          at = where.inner_at;
         }
       }
     }
@@ -1395,7 +1480,7 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
   static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
-  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
+  static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
   T grad_scale;
   double sum;
   Weights weights;
@@ -1505,7 +1590,7 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     typename Weights::template Values<W, T> weight;
   };
 
-  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
+  static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
   T grad_scale;
   const Out* __restrict__ grad_output;
   Weights weights;

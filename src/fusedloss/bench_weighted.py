@@ -40,6 +40,12 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
      user:  (2 * c * (torch.sqrt((p.float() - t.float()) ** 2 + c * c) - c)).mean()
      fused: fusedloss.pseudo_huber_loss(p, t, c=c)
 
+5. Spatially masked diffusion MSE: bfloat16 latents (32, 16, 256, 256) = 2^25 elements, a
+   float32 0/1 mask (B, 1, H, W) shared by the channels, read where it lies.
+   read input + read target + write grad_input.
+     user:  (F.mse_loss(p.float(), t.float(), reduction="none") * mask).mean()
+     fused: fusedloss.mse_loss(p, t, weight=mask, reduction="sum", scale=1 / p.numel())
+
 Each row also checks fusedloss and compile against eager: the loss (relative difference) and
 d loss / d input (norm of the difference over the norm of eager's), flagged MISMATCH beyond
 1e-2 (16-bit operands) or 1e-4 (float32); and the peak memory a step allocates. A system that
@@ -76,6 +82,7 @@ LATENT = (4, 128, 128)
 PSEUDO_HUBER_SHAPE = (64, 4, 1024, 1024)
 PSEUDO_HUBER_C = 0.1
 PSEUDO_HUBER_TENSOR_C_SHAPE = (64, 4, 128, 128)
+SPATIAL_MASK_SHAPE = (32, 16, 256, 256)
 SECTIONS = {
     "graphcast": "1. Weighted MSE, weight (1, C, H, 1) = per variable x cos(lat) per row (GraphCast): "
                  "user (F.mse_loss(p, t, reduction='none') * w).mean(); "
@@ -90,6 +97,9 @@ SECTIONS = {
                  "target: fused wall <= eager and <= compile",
     "pseudo_huber": "4. Pseudo-Huber: user (2 * c * (torch.sqrt((p.float() - t.float()) ** 2 + c * c) - c)).mean(); "
                     "fused pseudo_huber_loss(p, t, c=c); c = 0.1, or a float32 c (B, 1, 1, 1) per sample",
+    "spatial": "5. Spatially masked diffusion MSE, bf16 latents, float32 0/1 mask (B, 1, H, W): "
+               "user (F.mse_loss(p.float(), t.float(), reduction='none') * mask).mean(); "
+               "fused mse_loss(p, t, weight=mask, reduction='sum', scale=1 / p.numel())",
 }
 CSV_FIELDS = ["section", "row", "dtype", "shape", "numel", "system", "device_ms", "wall_us",
               "fused_over_this_device", "fused_over_this_wall", "fused_step_bytes", "tbs", "copy_tbs", "pct_copy",
@@ -255,6 +265,22 @@ def pseudo_huber_tensor_c_row(dtype: torch.dtype = torch.bfloat16, shape: tuple[
     return measure("pseudo_huber", f"pseudo-huber c (B,1,1,1), {shape}", p, t, losses, wall=True, log=log)
 
 
+def spatial_mask_row(dtype: torch.dtype = torch.bfloat16, shape: tuple[int, ...] = SPATIAL_MASK_SHAPE,
+                     log: Callable = print) -> dict:
+    torch.manual_seed(0)
+    batch, _, height, width = shape
+    p, t = seed_inputs(shape, dtype, "cuda")
+    mask = (torch.rand(batch, 1, height, width, device="cuda") < 0.7).float()
+
+    def user(p: Tensor, t: Tensor, mask: Tensor) -> Tensor:
+        return (F.mse_loss(p.float(), t.float(), reduction="none") * mask).mean()
+
+    compiled = _fresh_compile(user)
+    losses = {"fused": lambda: fusedloss.mse_loss(p, t, weight=mask, reduction="sum", scale=1 / p.numel()),
+              "eager": lambda: user(p, t, mask), "compile": lambda: compiled(p, t, mask)}
+    return measure("spatial", f"mse, mask (B,1,H,W), {shape}", p, t, losses, reps=10, log=log)
+
+
 def jobs(log: Callable[[str], None] = print) -> list[tuple[str, Callable[[], dict]]]:
     """(section, row) in the order they run; each row allocates its tensors and frees them on return."""
     return ([("graphcast", functools.partial(graphcast_row, dtype, log=log)) for dtype in DTYPES]
@@ -262,7 +288,8 @@ def jobs(log: Callable[[str], None] = print) -> list[tuple[str, Callable[[], dic
             + [("masked", functools.partial(masked_row, torch.float32, log=log, builtin_mean=True))]
             + [("diffusion", functools.partial(diffusion_row, batch, log=log)) for batch in DIFFUSION_BATCHES]
             + [("pseudo_huber", functools.partial(pseudo_huber_row, dtype, log=log)) for dtype in DTYPES]
-            + [("pseudo_huber", functools.partial(pseudo_huber_tensor_c_row, log=log))])
+            + [("pseudo_huber", functools.partial(pseudo_huber_tensor_c_row, log=log))]
+            + [("spatial", functools.partial(spatial_mask_row, log=log))])
 
 
 # ---- output --------------------------------------------------------------------------------

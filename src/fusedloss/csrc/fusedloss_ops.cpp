@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -277,41 +278,56 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   const int64_t rank = static_cast<int64_t>(shape.size());
   const int64_t skip = rank - w.dim();
   TORCH_CHECK(skip >= 0, "fusedloss: a weight of shape ", w.sizes(), " does not broadcast to the loss's shape ", shape);
-  // The loss's dimensions of size > 1 that the weight spans must be one block.
-  int64_t first = -1, last = -1;
-  bool block_ended = false, one_block = true;
-  for (int64_t i = 0; i < rank; ++i) {
+  // The loss's dimensions of size > 1, merged into runs the weight spans or broadcasts over.
+  struct Run {
+    int64_t size;
+    bool spanned;
+  };
+  std::vector<Run> runs;  // innermost first
+  for (int64_t i = rank - 1; i >= 0; --i) {
     const int64_t size = i < skip ? 1 : w.size(i - skip);
     TORCH_CHECK(size == shape[i] || size == 1, "fusedloss: a weight of shape ", w.sizes(),
                 " does not broadcast to the loss's shape ", shape);
     if (shape[i] == 1) continue;
-    if (size == 1) {
-      block_ended = first >= 0;
+    const bool spanned = size != 1;
+    if (!runs.empty() && runs.back().spanned == spanned) {
+      runs.back().size *= shape[i];
     } else {
-      one_block = one_block && !block_ended;
-      if (first < 0) first = i;
-      last = i;
+      runs.push_back({shape[i], spanned});
     }
   }
+  if (!runs.empty() && !runs.back().spanned) runs.pop_back();
+  const int64_t numel = c10::multiply_integers(shape);
+  if (numel == 0) runs.clear();  // nothing to read, and no run to divide by
   at::Tensor stored = as_dtype(w, math_dtype);
-  if (!one_block) {
+  const bool index_32bit = numel <= static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
+  if (static_cast<int64_t>(runs.size()) > (index_32bit ? kWeightRuns : kWideWeightRuns)) {
     stored = stored.expand(shape);
-    first = 0;
-    last = rank - 1;
+    runs = {{numel, true}};
   }
   out.tensor = as_kernel_layout(stored);
-  // first < 0: one weight for every element.
-  int64_t inner = 1, outer = 1;
-  for (int64_t i = 0; i < rank; ++i) {
-    if (first < 0 || i > last) {
-      inner *= shape[i];
-    } else if (i >= first) {
-      outer *= shape[i];
+  ElementWeight& layout = out.layout;
+  layout.weight = out.tensor.data_ptr();
+  layout.runs = static_cast<int>(runs.size());
+  int64_t stride = 1;  // the stored weight is contiguous
+  for (size_t d = 0; d < runs.size(); ++d) {
+    layout.size[d] = runs[d].size;
+    layout.stride[d] = runs[d].spanned ? stride : 0;
+    if (runs[d].spanned) stride *= runs[d].size;
+    if (index_32bit) {
+      // The smallest shift with 2^shift >= size, and magic = 2^32 (2^shift - size) / size + 1 < 2^32.
+      const uint64_t size = static_cast<uint64_t>(runs[d].size);
+      uint32_t shift = 0;
+      while ((uint64_t{1} << shift) < size) ++shift;
+      layout.shift[d] = shift;
+      layout.magic[d] = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - size)) / size + 1);
     }
   }
-  inner = std::max<int64_t>(inner, 1);
-  const bool dense = inner == 1 && outer == c10::multiply_integers(shape);  // spans every dimension
-  out.layout = ElementWeight{out.tensor.data_ptr(), inner, outer, dense};
+  layout.dense = runs.size() == 1 && runs[0].spanned && runs[0].size == numel;
+  // A chunk starts at a multiple of its width (at most 8): so does its weight's index
+  // when the innermost run is the whole loss, or a multiple of 8 long.
+  layout.vector_loads = !runs.empty() && runs[0].spanned && (runs[0].size == numel || runs[0].size % 8 == 0);
+  layout.index_32bit = index_32bit;
   return out;
 }
 

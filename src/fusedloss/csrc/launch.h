@@ -31,16 +31,29 @@ struct DeviceScale {
   DType divisor_dtype = DType::kFloat32;
 };
 
-// A weight per element, read where it lies: element e's weight is
-// weight[(e / inner) % outer], a contiguous block of the loss's dimensions
-// with the weight broadcast over those before and after it; `dense`: a weight
-// of the loss's own size, weight[e]. In float32, or float64 with fp64
-// operands. Null: every weight is 1.
+// A weight per element, read where it lies. The loss's dimensions are merged
+// into runs, innermost first, that the weight either spans (stride: its stride
+// over the run) or broadcasts over (stride 0); element e's weight is
+// weight[sum of e's coordinate in each run times the run's stride]. An
+// outermost run the weight broadcasts over is left out: it adds nothing.
+// `dense`: a weight of the loss's own size, weight[e]. `vector_loads`: every
+// chunk that stays within the innermost run starts at a 16-byte-aligned
+// weight. `index_32bit`: all indices fit 32 bits, and q / size[d] =
+// (umulhi(q, magic[d]) + q) >> shift[d] (Granlund and Montgomery's division by
+// invariant integers); at most kWideWeightRuns runs where they don't. In
+// float32, or float64 with fp64 operands. Null: every weight is 1.
+constexpr int kWeightRuns = 3;
+constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
-  int64_t inner = 1;
-  int64_t outer = 1;
+  int runs = 0;  // 0: one weight for every element
+  int64_t size[kWeightRuns] = {};
+  int64_t stride[kWeightRuns] = {};
+  uint32_t magic[kWeightRuns] = {};
+  uint32_t shift[kWeightRuns] = {};
   bool dense = false;
+  bool vector_loads = false;
+  bool index_32bit = false;
 };
 
 // One elementwise loss over `numel` contiguous elements. `param` is beta for

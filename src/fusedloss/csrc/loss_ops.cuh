@@ -42,7 +42,8 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 // plain losses: nothing to load, nothing multiplied, the code of a loss with no
 // weight) or Weighted (an ElementWeight and a DeviceScale, read on the device).
 struct Unweighted {
-  static constexpr int kBlocksPerSm = fusedloss::kBlocksPerSm;
+  template <int kVec>
+  static constexpr int kBlocksPerSmFor = fusedloss::kBlocksPerSm;
   template <int W, typename T>
   struct Values {};
   template <int W, typename T>
@@ -53,10 +54,16 @@ struct Unweighted {
   __device__ __forceinline__ void begin(T&) const {}
 };
 
+struct WeightIndex {
+  int64_t index, inner_at;
+};
+
 template <typename T>
 struct Weighted {
-  // The weights and the index walk need more than 32 registers a thread.
-  static constexpr int kBlocksPerSm = 6;
+  // The weights and the index walk need more than 32 registers a thread; chunks of 8
+  // (16-bit operands) more than 40.
+  template <int kVec>
+  static constexpr int kBlocksPerSmFor = kVec >= 8 ? 5 : 6;
   using Stored = T;  // float32, or float64 with fp64 operands (ElementWeight)
   template <int W, typename V>
   struct Values {
@@ -64,9 +71,7 @@ struct Weighted {
   };
 
   const Stored* __restrict__ weight;
-  int64_t inner;
-  int64_t outer;
-  bool dense;
+  ElementWeight layout;
   DeviceScale scale;
 
   __device__ __forceinline__ double factor() const {
@@ -76,39 +81,77 @@ struct Weighted {
     return f;
   }
 
-  // Element `first + k`'s weight: one division per chunk, then one load, or a walk
-  // where the chunk crosses from one weight to the next.
+  // Element e's weight index and its coordinate in the innermost run: one division per
+  // run, by multiplication where the indices fit 32 bits (ElementWeight's magic numbers).
+  // 64-bit indices come with at most kWideWeightRuns runs (ElementWeight).
+  __device__ __forceinline__ WeightIndex locate(int64_t e) const {
+    if (layout.index_32bit) {
+      uint32_t q = uint32_t(e), index = 0, inner_at = 0;
+#pragma unroll
+      for (int d = 0; d < kWeightRuns; ++d) {
+        if (d < layout.runs) {
+          const uint32_t next = uint32_t((uint64_t(__umulhi(q, layout.magic[d])) + q) >> layout.shift[d]);
+          const uint32_t at = q - next * uint32_t(layout.size[d]);
+          if (d == 0) inner_at = at;
+          index += at * uint32_t(layout.stride[d]);
+          q = next;
+        }
+      }
+      return {index, inner_at};
+    }
+    int64_t q = e, index = 0, inner_at = 0;
+#pragma unroll
+    for (int d = 0; d < kWideWeightRuns; ++d) {
+      if (d < layout.runs) {
+        const int64_t next = q / layout.size[d], at = q - next * layout.size[d];
+        if (d == 0) inner_at = at;
+        index += at * layout.stride[d];
+        q = next;
+      }
+    }
+    return {index, inner_at};
+  }
+
+  // Element `first + k`'s weight: one load (a vector load, or W loads of neighbours) for a
+  // chunk within the innermost run, else a walk that locates each run it enters.
   template <int W, typename V>
   __device__ __forceinline__ void load(Values<W, V>& v, int64_t first) const {
-    if (weight == nullptr) {
+    if (weight == nullptr || layout.runs == 0) {
+      const Stored w = weight == nullptr ? Stored(1) : weight[0];
 #pragma unroll
-      for (int k = 0; k < W; ++k) v.w[k] = Stored(1);
-    } else if (dense) {
+      for (int k = 0; k < W; ++k) v.w[k] = w;
+      return;
+    }
+    if (layout.dense) {
       load_chunk(v.w, weight, first);
-    } else {
-      // In 32 bits where the indices fit: a 64-bit division costs a bf16 pass its bandwidth.
-      int64_t r, i;
-      if (((first | inner | outer) >> 32) == 0) {
-        const uint32_t q = uint32_t(first) / uint32_t(inner);
-        r = uint32_t(first) - q * uint32_t(inner);
-        i = q % uint32_t(outer);
-      } else {
-        const int64_t q = first / inner;
-        r = first - q * inner;
-        i = q % outer;
-      }
-      if (r + W <= inner) {  // the whole chunk under one weight
-        const Stored w = weight[i];
+      return;
+    }
+    WeightIndex where = locate(first);
+    int64_t index = where.index, at = where.inner_at;
+    if (at + W <= layout.size[0]) {
+      if (layout.stride[0] == 0) {
+        const Stored w = weight[index];
 #pragma unroll
         for (int k = 0; k < W; ++k) v.w[k] = w;
+      } else if (layout.vector_loads) {
+        static_assert(W <= 8, "vector_loads promises alignment for chunks of up to 8 weights");
+        load_chunk(v.w, weight, index);
       } else {
 #pragma unroll
-        for (int k = 0; k < W; ++k) {
-          v.w[k] = weight[i];
-          if (++r == inner) {
-            r = 0;
-            if (++i == outer) i = 0;
-          }
+        for (int k = 0; k < W; ++k) v.w[k] = weight[index + k];
+      }
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      v.w[k] = weight[index];
+      if (k + 1 < W) {
+        if (++at < layout.size[0]) {
+          index += layout.stride[0];
+        } else {
+          where = locate(first + k + 1);
+          index = where.index;
+          at = where.inner_at;
         }
       }
     }
@@ -210,7 +253,7 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
   static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
-  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
+  static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
   T grad_scale;
   double sum;
   Weights weights;
@@ -320,7 +363,7 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     typename Weights::template Values<W, T> weight;
   };
 
-  static constexpr int kBlocksPerSm = Weights::kBlocksPerSm;
+  static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
   T grad_scale;
   const Out* __restrict__ grad_output;
   Weights weights;

@@ -18,9 +18,7 @@ template <class Op>
 void set_weights(Op& op, const LossProblem& p) {
   using Stored = typename decltype(op.weights)::Stored;
   op.weights.weight = static_cast<const Stored*>(p.weight.weight);
-  op.weights.inner = p.weight.inner;
-  op.weights.outer = p.weight.outer;
-  op.weights.dense = p.weight.dense;
+  op.weights.layout = p.weight;
   op.weights.scale = p.scale;
 }
 
