@@ -579,8 +579,8 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
 // need none of them and compile every kernel in one translation unit).
 #ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
 // A weight as the weighted kernels read it (ElementWeight): in the loss's math
-// dtype, contiguous in its own shape when the dimensions it does not broadcast
-// over are one block of the loss's; other weights are expanded first.
+// dtype, contiguous in its own shape when the loss's dimensions fall into as
+// many runs as the kernels take; other weights are expanded first.
 struct KernelWeight {
   at::Tensor tensor;  // undefined: no weight
   ElementWeight layout;
