@@ -325,8 +325,8 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   }
   layout.dense = runs.size() == 1 && runs[0].spanned && runs[0].size == numel;
   // A chunk starts at a multiple of its width (at most 8): so does its weight's index
-  // when the innermost run is the whole loss, or a multiple of 8 long.
-  layout.vector_loads = !runs.empty() && runs[0].spanned && (runs[0].size == numel || runs[0].size % 8 == 0);
+  // when the innermost run is a multiple of 8 long (a dense weight loads as the operands do).
+  layout.vector_loads = !runs.empty() && runs[0].spanned && runs[0].size % 8 == 0;
   layout.index_32bit = index_32bit;
   return out;
 }
