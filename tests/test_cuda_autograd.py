@@ -238,6 +238,69 @@ def test_no_grad_keeps_no_buffer():
     del loss
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("n", [4099, 1 << 25], ids=["small", "fused-gradient"])
+def test_a_graph_dropped_before_backward_frees_its_buffers(weighted, n):
+    """The backward node holds the operands and, from 128 MiB of operands on, the
+    gradient the forward wrote; dropping the loss frees them, as PyTorch's own nodes do."""
+    input = torch.randn(n, device="cuda", requires_grad=True)
+    target = torch.randn(n, device="cuda")
+    weight = torch.rand(n, device="cuda") if weighted else None
+    fusedloss.mse_loss(input, target, weight=weight).backward()  # whatever a first call keeps
+    input.grad = None
+    before = torch.cuda.memory_allocated()
+    loss = fusedloss.mse_loss(input, target, weight=weight)
+    assert loss.grad_fn is not None
+    del loss
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_saved_tensor_hooks_and_anomaly_mode_see_the_operands(name, reduction):
+    """saved_tensors_hooks pack and unpack the operands the backward node keeps (as for
+    PyTorch's nodes), and anomaly mode runs the same backward."""
+    input = heavy_tailed((4099,), device="cuda").requires_grad_()
+    target = heavy_tailed((4099,), device="cuda").requires_grad_()
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()
+
+    def unpack(t):
+        unpacked.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), torch.autograd.detect_anomaly():
+        out = _loss(name, 0, input, target, reduction)
+        got = torch.autograd.grad(out.sum(), (input, target))
+    assert len(packed) >= 2 and len(unpacked) >= 2
+    want = torch.autograd.grad(_loss(name, 1, input, target, reduction).sum(), (input, target))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op, extra", [
+    ("reduced_loss", ("mse", 0.0, "mean", [False, False])),
+    ("pointwise_loss", ("mse", 0.0)),
+    ("weighted_loss", (None, None, None, 1.0, "mse", 0.0, [False, False])),
+])
+def test_the_operators_refuse_dual_tensors(op, extra):
+    """The operators have no forward-mode rule: called directly with a tangent they raise,
+    never drop it (fusedloss's functions hand dual tensors to torch.nn.functional)."""
+    import torch.autograd.forward_ad as fwAD
+
+    input, target = torch.randn(33, device="cuda"), torch.randn(33, device="cuda")
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(input, torch.ones_like(input))
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            getattr(torch.ops.fusedloss, op)(dual, target, *extra)
+        got = fwAD.unpack_dual(fusedloss.mse_loss(dual, target)).tangent
+        want = fwAD.unpack_dual(torch.nn.functional.mse_loss(dual, target)).tangent
+        torch.testing.assert_close(got, want)
+
+
 class _TinyModel(torch.nn.Module):
     def __init__(self, loss):
         super().__init__()

@@ -5,17 +5,23 @@
 #include <ATen/ExpandUtils.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <array>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace fusedloss {
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
 using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -102,93 +108,122 @@ bool wants_gradients(const at::Tensor& input, const at::Tensor& target) {
   return at::GradMode::is_enabled() && (input.requires_grad() || target.requires_grad());
 }
 
-// A gradient for each forward argument: the two operands, then nothing for the rest.
-variable_list operand_gradients(const at::Tensor& grad_input, const at::Tensor& grad_target, size_t arguments) {
-  variable_list grads(arguments);
-  grads[0] = grad_input;
-  grads[1] = grad_target;
-  return grads;
+// Each operator's backward is a graph node made as PyTorch's generated code
+// makes its own: a Node holding SavedVariables and plain fields. A
+// torch::autograd::Function does the same work with a string-keyed map of saved
+// values and checks of its outputs against every forward argument, which cost a
+// small training step more host time than eager PyTorch's whole loss.
+// Node is held by std::shared_ptr in older torch and by c10::intrusive_ptr in newer.
+template <typename T>
+auto make_node() {
+  using NodePtr = decltype(torch::autograd::Edge::function);
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    // deleteNode frees a long chain of nodes without recursing through it.
+    return std::shared_ptr<T>(new T(), [](T* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<T>();
+  }
 }
 
-// The gradients the forward wrote, times grad. Scaled in place, so only the
-// first backward through a graph may use them; dropped from the context so
-// that autograd can hand them to .grad without a copy.
-Tensors2 take_fused_gradients(ska::flat_hash_map<std::string, c10::IValue>& data, std::array<bool, 2> needs,
-                              const at::Tensor& grad, int64_t slot) {
-  auto take = [&](const char* key, bool needed) {
-    at::Tensor fused;
-    if (data.count(key) > 0) {
-      fused = data[key].toTensor();
-      data.erase(key);
-    }
-    if (!needed) return at::Tensor();
-    if (at::isTensorSubclassLike(fused)) return at::mul(fused, grad);  // traced: stay functional
-    call_scale_(fused, grad, slot);
-    return fused;
-  };
-  at::Tensor grad_input = take("fused_input", needs[0]);
-  return {grad_input, take("fused_target", needs[1])};
+// Forward-mode AD has no rule here; fusedloss.functional hands dual tensors to
+// torch.nn.functional before they get here, and a direct call must not drop a tangent.
+void check_no_tangents(const at::Tensor& input, const at::Tensor& target, const char* op) {
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(input) && !torch::autograd::isFwGradDefined(target), "fusedloss::",
+              op, " has no forward-mode AD rule; fusedloss's loss functions compute dual tensors through "
+              "torch.nn.functional");
 }
 
-class ReducedLoss : public torch::autograd::Function<ReducedLoss> {
- public:
-  static constexpr size_t kArguments = 8;
+// What every node keeps: the operands, and the loss with its parameter.
+struct LossBackward : Node {
+  SavedVariable input_, target_;
+  std::string loss_;
+  double param_ = 0.0;
+  bool autocast_ = false;
 
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& target,
-                               const std::string& loss, double param, const std::string& reduction,
-                               std::array<bool, 2> output_mask, int64_t slot, bool autocast) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, grad_input, grad_target] =
-        call_reduced_loss(input, target, loss, param, reduction, output_mask, slot, autocast);
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({input, target});
-    ctx->saved_data["loss"] = loss;
-    ctx->saved_data["param"] = param;
-    ctx->saved_data["reduction"] = reduction;
-    ctx->saved_data["slot"] = slot;
-    ctx->saved_data["autocast"] = autocast;
-    ctx->saved_data["wrote_input"] = output_mask[0];
-    ctx->saved_data["wrote_target"] = output_mask[1];
-    // Detached: the outputs point back at this node, and a graph dropped
-    // without backward would then never be freed.
-    if (output_mask[0]) ctx->saved_data["fused_input"] = grad_input.detach();
-    if (output_mask[1]) ctx->saved_data["fused_target"] = grad_target.detach();
-    ctx->mark_non_differentiable({grad_input, grad_target});
-    return {out, grad_input, grad_target};
+  void save(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param, bool autocast) {
+    set_next_edges(torch::autograd::collect_next_edges(input, target));
+    input_ = SavedVariable(input, false);
+    target_ = SavedVariable(target, false);
+    loss_ = std::string(loss);
+    param_ = param;
+    autocast_ = autocast;
   }
 
-  // The fused gradient times grad, or the gradient recomputed from the operands:
-  // the same bits either way (ops.py).
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    input_.reset_data();
+    target_.reset_data();
+  }
+
+  std::array<bool, 2> needs() const { return {task_should_compute_output(0), task_should_compute_output(1)}; }
+
+  // Each gradient summed to its operand's shape, and only where wanted.
+  static variable_list operand_gradients(const at::Tensor& grad_input, const at::Tensor& grad_target,
+                                         const at::Tensor& input, const at::Tensor& target,
+                                         std::array<bool, 2> needs) {
+    return {needs[0] ? summed_to(grad_input, input) : at::Tensor(),
+            needs[1] ? summed_to(grad_target, target) : at::Tensor()};
+  }
+};
+
+// The gradients the forward wrote, times grad. Scaled in place, so only the
+// first backward through a graph may use them; handed over without a copy.
+struct FusedGradients {
+  at::Tensor input, target;
+
+  bool cover(std::array<bool, 2> needs) const {
+    return (input.defined() || target.defined()) && (input.defined() || !needs[0]) &&
+           (target.defined() || !needs[1]);
+  }
+
+  Tensors2 take(std::array<bool, 2> needs, const at::Tensor& grad, int64_t slot) {
+    auto scaled = [&](at::Tensor fused, bool needed) {
+      if (!needed) return at::Tensor();
+      if (at::isTensorSubclassLike(fused)) return at::mul(fused, grad);  // traced: stay functional
+      call_scale_(fused, grad, slot);
+      return fused;
+    };
+    at::Tensor grad_input = scaled(std::move(input), needs[0]);
+    at::Tensor grad_target = scaled(std::move(target), needs[1]);
+    input.reset();
+    target.reset();
+    return {grad_input, grad_target};
+  }
+};
+
+// The fused gradient times grad, or the gradient recomputed from the operands:
+// the same bits either way (ops.py).
+struct ReducedLossBackward : LossBackward {
+  std::string reduction_;
+  int64_t slot_ = -1;
+  FusedGradients fused_;
+
+  std::string name() const override { return "ReducedLossBackward"; }
+
+  void release_variables() override {
+    LossBackward::release_variables();
+    std::lock_guard<std::mutex> lock(mutex_);
+    fused_ = FusedGradients();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& grad = grads[0];
-    if (!grad.defined()) return variable_list(kArguments);
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& target = saved[1];
-    const std::array<bool, 2> needs = {ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
-    auto& data = ctx->saved_data;
-    const std::string loss = data["loss"].toStringRef();
-    const double param = data["param"].toDouble();
-    const std::string reduction = data["reduction"].toStringRef();
-    const bool autocast = data["autocast"].toBool();
-    if (at::GradMode::is_enabled()) {
-      auto [grad_input, grad_target] = call_loss_gradients(grad, input, target, loss, param, reduction, autocast);
-      return operand_gradients(needs[0] ? grad_input : at::Tensor(), needs[1] ? grad_target : at::Tensor(),
-                               kArguments);
-    }
-    const int64_t slot = data["slot"].toInt();
-    const bool has_fused = data.count("fused_input") > 0 || data.count("fused_target") > 0;
-    const bool fused_cover_needs = (data["wrote_input"].toBool() || !needs[0]) &&
-                                   (data["wrote_target"].toBool() || !needs[1]);
+    if (!grad.defined()) return {at::Tensor(), at::Tensor()};
+    const at::Tensor input = input_.unpack();
+    const at::Tensor target = target_.unpack();
+    const auto wanted = needs();
     at::Tensor grad_input, grad_target;
-    if (has_fused && fused_cover_needs) {
-      std::tie(grad_input, grad_target) = take_fused_gradients(data, needs, grad, slot);
+    if (at::GradMode::is_enabled()) {
+      std::tie(grad_input, grad_target) =
+          call_loss_gradients(grad, input, target, loss_, param_, reduction_, autocast_);
+    } else if (fused_.cover(wanted)) {
+      std::tie(grad_input, grad_target) = fused_.take(wanted, grad, slot_);
     } else {
       std::tie(grad_input, grad_target) =
-          call_reduced_loss_backward(grad, input, target, loss, param, reduction, needs, slot, autocast);
+          call_reduced_loss_backward(grad, input, target, loss_, param_, reduction_, wanted, slot_, autocast_);
     }
-    return operand_gradients(needs[0] ? summed_to(grad_input, input) : at::Tensor(),
-                             needs[1] ? summed_to(grad_target, target) : at::Tensor(), kArguments);
+    return operand_gradients(grad_input, grad_target, input, target, wanted);
   }
 };
 
@@ -197,105 +232,68 @@ OptionalTensor defined_or_none(const at::Tensor& t) { return t.defined() ? Optio
 // The weighted reductions: ReducedLoss's plan with a weight and a scale, which
 // take no gradient here (weighted_loss_autograd refuses them; fusedloss.functional
 // computes that case with torch operations). create_graph=True goes through
-// ops.py's formulas. needs_input_grad counts defined tensors only: input and
-// target are the first two.
-class WeightedLoss : public torch::autograd::Function<WeightedLoss> {
- public:
-  static constexpr size_t kArguments = 10;
+// ops.py's formulas.
+struct WeightedLossBackward : LossBackward {
+  SavedVariable weight_, scale_, divisor_;
+  double host_scale_ = 1.0;
+  FusedGradients fused_;
 
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& target,
-                               const OptionalTensor& weight, const OptionalTensor& scale,
-                               const OptionalTensor& divisor, double host_scale, const std::string& loss,
-                               double param, std::array<bool, 2> output_mask, bool autocast) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, grad_input, grad_target] =
-        call_weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast);
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({input, target, weight.value_or(at::Tensor()), scale.value_or(at::Tensor()),
-                            divisor.value_or(at::Tensor())});
-    ctx->saved_data["host_scale"] = host_scale;
-    ctx->saved_data["loss"] = loss;
-    ctx->saved_data["param"] = param;
-    ctx->saved_data["autocast"] = autocast;
-    if (output_mask[0]) ctx->saved_data["fused_input"] = grad_input.detach();
-    if (output_mask[1]) ctx->saved_data["fused_target"] = grad_target.detach();
-    ctx->mark_non_differentiable({grad_input, grad_target});
-    return {out, grad_input, grad_target};
+  std::string name() const override { return "WeightedLossBackward"; }
+
+  void release_variables() override {
+    LossBackward::release_variables();
+    std::lock_guard<std::mutex> lock(mutex_);
+    weight_.reset_data();
+    scale_.reset_data();
+    divisor_.reset_data();
+    fused_ = FusedGradients();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& grad = grads[0];
-    if (!grad.defined()) return variable_list(kArguments);
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& target = saved[1];
-    const OptionalTensor weight = defined_or_none(saved[2]);
-    const OptionalTensor scale = defined_or_none(saved[3]);
-    const OptionalTensor divisor = defined_or_none(saved[4]);
-    const std::array<bool, 2> needs = {ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
-    auto& data = ctx->saved_data;
-    const double host_scale = data["host_scale"].toDouble();
-    const std::string loss = data["loss"].toStringRef();
-    const double param = data["param"].toDouble();
-    const bool autocast = data["autocast"].toBool();
+    if (!grad.defined()) return {at::Tensor(), at::Tensor()};
+    const at::Tensor input = input_.unpack();
+    const at::Tensor target = target_.unpack();
+    const OptionalTensor weight = defined_or_none(weight_.unpack());
+    const OptionalTensor scale = defined_or_none(scale_.unpack());
+    const OptionalTensor divisor = defined_or_none(divisor_.unpack());
+    const auto wanted = needs();
+    at::Tensor grad_input, grad_target;
     if (at::GradMode::is_enabled()) {
       static const auto op =
           find_op<Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                            const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double, bool)>(
               "fusedloss::weighted_loss_gradients");
-      auto [grad_input, grad_target] =
-          op.call(grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast);
-      return operand_gradients(needs[0] ? summed_to(grad_input, input) : at::Tensor(),
-                               needs[1] ? summed_to(grad_target, target) : at::Tensor(), kArguments);
-    }
-    const bool fused_cover_needs = (data.count("fused_input") > 0 || !needs[0]) &&
-                                   (data.count("fused_target") > 0 || !needs[1]);
-    at::Tensor grad_input, grad_target;
-    if (fused_cover_needs && (data.count("fused_input") > 0 || data.count("fused_target") > 0)) {
-      std::tie(grad_input, grad_target) = take_fused_gradients(data, needs, grad, -1);
+      std::tie(grad_input, grad_target) =
+          op.call(grad, input, target, weight, scale, divisor, host_scale_, loss_, param_, autocast_);
+    } else if (fused_.cover(wanted)) {
+      std::tie(grad_input, grad_target) = fused_.take(wanted, grad, -1);
     } else {
       std::tie(grad_input, grad_target) = call_weighted_loss_backward(grad, input, target, weight, scale, divisor,
-                                                                      host_scale, loss, param, needs, autocast);
+                                                                      host_scale_, loss_, param_, wanted, autocast_);
     }
-    return operand_gradients(needs[0] ? summed_to(grad_input, input) : at::Tensor(),
-                             needs[1] ? summed_to(grad_target, target) : at::Tensor(), kArguments);
+    return operand_gradients(grad_input, grad_target, input, target, wanted);
   }
 };
 
-class PointwiseLoss : public torch::autograd::Function<PointwiseLoss> {
- public:
-  static constexpr size_t kArguments = 4;
+struct PointwiseLossBackward : LossBackward {
+  std::string name() const override { return "PointwiseLossBackward"; }
 
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& target,
-                               const std::string& loss, double param) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor out = call_pointwise_loss(input, target, loss, param);
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({input, target});
-    ctx->saved_data["loss"] = loss;
-    ctx->saved_data["param"] = param;
-    return {out};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& grad = grads[0];
-    if (!grad.defined()) return variable_list(kArguments);
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const at::Tensor& target = saved[1];
-    const std::array<bool, 2> needs = {ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
-    const std::string loss = ctx->saved_data["loss"].toStringRef();
-    const double param = ctx->saved_data["param"].toDouble();
+    if (!grad.defined()) return {at::Tensor(), at::Tensor()};
+    const at::Tensor input = input_.unpack();
+    const at::Tensor target = target_.unpack();
+    const auto wanted = needs();
     at::Tensor grad_input, grad_target;
-    if (at::GradMode::is_enabled()) {
-      std::tie(grad_input, grad_target) = call_loss_gradients(grad, input, target, loss, param, "none", false);
+    if (at::GradMode::is_enabled()) {  // already summed to each operand's shape
+      std::tie(grad_input, grad_target) = call_loss_gradients(grad, input, target, loss_, param_, "none", false);
     } else {
-      std::tie(grad_input, grad_target) = call_pointwise_loss_backward(grad, input, target, loss, param, needs);
-      grad_input = needs[0] ? summed_to(grad_input, input) : at::Tensor();
-      grad_target = needs[1] ? summed_to(grad_target, target) : at::Tensor();
+      std::tie(grad_input, grad_target) = call_pointwise_loss_backward(grad, input, target, loss_, param_, wanted);
     }
-    return operand_gradients(needs[0] ? grad_input : at::Tensor(), needs[1] ? grad_target : at::Tensor(),
-                             kArguments);
+    return operand_gradients(grad_input, grad_target, input, target, wanted);
   }
 };
 
@@ -303,39 +301,64 @@ class PointwiseLoss : public torch::autograd::Function<PointwiseLoss> {
 Tensors3 reduced_loss_autograd(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
                                double param, c10::string_view reduction, std::array<bool, 2> output_mask,
                                int64_t slot, bool autocast) {
-  if (!wants_gradients(input, target)) {
+  check_no_tangents(input, target, "reduced_loss");
+  Tensors3 outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_reduced_loss(input, target, loss, param, reduction, output_mask, slot, autocast);
+    outputs = call_reduced_loss(input, target, loss, param, reduction, output_mask, slot, autocast);
   }
-  const variable_list out = ReducedLoss::apply(input, target, std::string(loss), param, std::string(reduction),
-                                               output_mask, slot, autocast);
-  return {out[0], out[1], out[2]};
+  if (!wants_gradients(input, target)) return outputs;
+  auto node = make_node<ReducedLossBackward>();
+  node->save(input, target, loss, param, autocast);
+  node->reduction_ = std::string(reduction);
+  node->slot_ = slot;
+  if (output_mask[0]) node->fused_.input = std::get<1>(outputs);
+  if (output_mask[1]) node->fused_.target = std::get<2>(outputs);
+  torch::autograd::set_history(std::get<0>(outputs), node);
+  return outputs;
 }
 
 Tensors3 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
                                 const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
                                 c10::string_view loss, double param, std::array<bool, 2> output_mask,
                                 bool autocast) {
+  check_no_tangents(input, target, "weighted_loss");
   const auto requires_grad = [](const OptionalTensor& t) { return t.has_value() && t->requires_grad(); };
   TORCH_CHECK(!at::GradMode::is_enabled() || !(requires_grad(weight) || requires_grad(scale) || requires_grad(divisor)),
               "fusedloss::weighted_loss has no gradient for weight, scale or divisor; fusedloss's loss functions "
               "compute those with torch operations");
-  if (!wants_gradients(input, target)) {
+  Tensors3 outputs;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast);
+    outputs = call_weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
+                                 autocast);
   }
-  const variable_list out = WeightedLoss::apply(input, target, weight, scale, divisor, host_scale, std::string(loss),
-                                                param, output_mask, autocast);
-  return {out[0], out[1], out[2]};
+  if (!wants_gradients(input, target)) return outputs;
+  auto node = make_node<WeightedLossBackward>();
+  node->save(input, target, loss, param, autocast);
+  node->weight_ = SavedVariable(weight.value_or(at::Tensor()), false);
+  node->scale_ = SavedVariable(scale.value_or(at::Tensor()), false);
+  node->divisor_ = SavedVariable(divisor.value_or(at::Tensor()), false);
+  node->host_scale_ = host_scale;
+  if (output_mask[0]) node->fused_.input = std::get<1>(outputs);
+  if (output_mask[1]) node->fused_.target = std::get<2>(outputs);
+  torch::autograd::set_history(std::get<0>(outputs), node);
+  return outputs;
 }
 
 at::Tensor pointwise_loss_autograd(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
                                    double param) {
-  if (!wants_gradients(input, target)) {
+  check_no_tangents(input, target, "pointwise_loss");
+  at::Tensor out;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_pointwise_loss(input, target, loss, param);
+    out = call_pointwise_loss(input, target, loss, param);
   }
-  return PointwiseLoss::apply(input, target, std::string(loss), param)[0];
+  if (!wants_gradients(input, target)) return out;
+  auto node = make_node<PointwiseLossBackward>();
+  node->save(input, target, loss, param, false);
+  torch::autograd::set_history(out, node);
+  return out;
 }
 
 }  // namespace
