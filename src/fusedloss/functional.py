@@ -133,10 +133,10 @@ class _PseudoHuberWithTensorC(torch.autograd.Function):
             grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, c), wanted) if w], grad_output,
                                              create_graph=True))
             return tuple(next(grads) if w else None for w in wanted) + (None,)
-        times = grad_output.to(x.dtype)
+        times = grad_output.to(root.dtype)  # the forward's math: a float64 c widens it
         if ctx.reduction == "mean":
             times = times / ctx.numel
-        twice_c = c.to(x.dtype) * 2
+        twice_c = c.to(root.dtype) * 2
         slope = x.div(root).mul_(twice_c * times) if wanted[0] or wanted[1] else None
         grad_input = slope.to(input.dtype).sum_to_size(input.shape) if wanted[0] else None
         grad_target = slope.neg().to(target.dtype).sum_to_size(target.shape) if wanted[1] else None
@@ -225,21 +225,24 @@ def _fused_loss(
     reduce: bool | None,
     reduction: str,
 ) -> Tensor:
-    """The steps of torch.nn.functional's losses, in its order, then one fused op."""
-    _warn_if_target_broadcasts(input, target, stacklevel=4)
+    """The steps of torch.nn.functional's losses, in its order, then one fused op.
+    Every call of a small loss pays for this function's work, so it does each step once."""
+    same_shape = target.shape == input.shape
+    if not same_shape:
+        _warn_if_target_broadcasts(input, target, stacklevel=4)
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     mode = reduction if reduction in _MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
-    autocast = _under_autocast(input, target)
+    autocast = (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled("cuda")
     if mode == "none":
         if autocast:
             input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)
         return _pointwise_loss(input, target, loss, param)
     output_mask, slot = _NO_GRADIENTS, -1
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
-        numel = input.numel() if target.shape == input.shape else ops.broadcast_numel(input, target)
+        numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
         if numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES:
             if not gradient_placement.gradient_in_backward(loss, param, mode, input, target):
                 output_mask = [input.requires_grad, target.requires_grad]
