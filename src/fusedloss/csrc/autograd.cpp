@@ -133,7 +133,9 @@ void check_no_tangents(const at::Tensor& input, const at::Tensor& target, const 
               "torch.nn.functional");
 }
 
-// What every node keeps: the operands, and the loss with its parameter.
+// What every node keeps: the operands, and the loss with its parameter. Outside
+// create_graph the nodes call the kernels below autograd: the backward operators
+// have no autograd kernel, and autograd's fallback for them boxes every argument.
 struct LossBackward : Node {
   SavedVariable input_, target_;
   std::string loss_;
@@ -180,7 +182,11 @@ struct FusedGradients {
     auto scaled = [&](at::Tensor fused, bool needed) {
       if (!needed) return at::Tensor();
       if (at::isTensorSubclassLike(fused)) return at::mul(fused, grad);  // traced: stay functional
-      call_scale_(fused, grad, slot);
+      {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        call_scale_(fused, grad, slot);
+      }
+      torch::autograd::impl::bump_version(fused);
       return fused;
     };
     at::Tensor grad_input = scaled(std::move(input), needs[0]);
@@ -220,6 +226,7 @@ struct ReducedLossBackward : LossBackward {
     } else if (fused_.cover(wanted)) {
       std::tie(grad_input, grad_target) = fused_.take(wanted, grad, slot_);
     } else {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(grad_input, grad_target) =
           call_reduced_loss_backward(grad, input, target, loss_, param_, reduction_, wanted, slot_, autocast_);
     }
@@ -270,6 +277,7 @@ struct WeightedLossBackward : LossBackward {
     } else if (fused_.cover(wanted)) {
       std::tie(grad_input, grad_target) = fused_.take(wanted, grad, -1);
     } else {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(grad_input, grad_target) = call_weighted_loss_backward(grad, input, target, weight, scale, divisor,
                                                                       host_scale_, loss_, param_, wanted, autocast_);
     }
@@ -291,6 +299,7 @@ struct PointwiseLossBackward : LossBackward {
     if (at::GradMode::is_enabled()) {  // already summed to each operand's shape
       std::tie(grad_input, grad_target) = call_loss_gradients(grad, input, target, loss_, param_, "none", false);
     } else {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(grad_input, grad_target) = call_pointwise_loss_backward(grad, input, target, loss_, param_, wanted);
     }
     return operand_gradients(grad_input, grad_target, input, target, wanted);
