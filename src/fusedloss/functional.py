@@ -226,7 +226,7 @@ def _fused_loss(
     reduction: str,
 ) -> Tensor:
     """The steps of torch.nn.functional's losses, in its order, then one fused op.
-    Every call of a small loss pays for this function's work, so it does each step once."""
+    Every call of a small loss pays for this function's work, so it compares shapes once."""
     same_shape = target.shape == input.shape
     if not same_shape:
         _warn_if_target_broadcasts(input, target, stacklevel=4)
@@ -235,7 +235,7 @@ def _fused_loss(
     mode = reduction if reduction in _MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
-    autocast = (input.dtype in _16_BIT or target.dtype in _16_BIT) and torch.is_autocast_enabled("cuda")
+    autocast = _under_autocast(input, target)
     if mode == "none":
         if autocast:
             input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)

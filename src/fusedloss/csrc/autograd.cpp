@@ -173,6 +173,12 @@ struct LossBackward : Node {
 struct FusedGradients {
   at::Tensor input, target;
 
+  // What the forward wrote: the reduction's second and third outputs, where asked.
+  void keep(const Tensors3& outputs, std::array<bool, 2> written) {
+    if (written[0]) input = std::get<1>(outputs);
+    if (written[1]) target = std::get<2>(outputs);
+  }
+
   bool cover(std::array<bool, 2> needs) const {
     return (input.defined() || target.defined()) && (input.defined() || !needs[0]) &&
            (target.defined() || !needs[1]);
@@ -190,10 +196,7 @@ struct FusedGradients {
       return fused;
     };
     at::Tensor grad_input = scaled(std::move(input), needs[0]);
-    at::Tensor grad_target = scaled(std::move(target), needs[1]);
-    input.reset();
-    target.reset();
-    return {grad_input, grad_target};
+    return {grad_input, scaled(std::move(target), needs[1])};
   }
 };
 
@@ -321,8 +324,7 @@ Tensors3 reduced_loss_autograd(const at::Tensor& input, const at::Tensor& target
   node->save(input, target, loss, param, autocast);
   node->reduction_ = std::string(reduction);
   node->slot_ = slot;
-  if (output_mask[0]) node->fused_.input = std::get<1>(outputs);
-  if (output_mask[1]) node->fused_.target = std::get<2>(outputs);
+  node->fused_.keep(outputs, output_mask);
   torch::autograd::set_history(std::get<0>(outputs), node);
   return outputs;
 }
@@ -349,8 +351,7 @@ Tensors3 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& targe
   node->scale_ = SavedVariable(scale.value_or(at::Tensor()), false);
   node->divisor_ = SavedVariable(divisor.value_or(at::Tensor()), false);
   node->host_scale_ = host_scale;
-  if (output_mask[0]) node->fused_.input = std::get<1>(outputs);
-  if (output_mask[1]) node->fused_.target = std::get<2>(outputs);
+  node->fused_.keep(outputs, output_mask);
   torch::autograd::set_history(std::get<0>(outputs), node);
   return outputs;
 }
