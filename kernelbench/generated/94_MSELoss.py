@@ -1985,13 +1985,28 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
     for (int i = threadIdx.x; i < kWords; i += kBlockThreads) block_sums[blockIdx.x * kWords + i] = words[i];
     cooperative_groups::this_grid().sync();
     if (blockIdx.x != 0) return;
-    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) {
-      Word folded = 0;
-      for (unsigned b = 0; b < gridDim.x; ++b) {
-        const Word w = block_sums[b * kWords + i];
-        folded = i == 0 ? (folded | w) : folded + w;
+    // Every thread folds a share of the copies, so that their loads are in
+    // flight together, then a thread per word folds the shares. Word 0 holds
+    // flags (OR), the rest digits (integer addition): the order changes no bit.
+    static_assert(kBlockThreads % kWords == 0);
+    constexpr int kShares = kBlockThreads / kWords;
+    __shared__ Word shares[kBlockThreads];
+    const int word = threadIdx.x % kWords;
+    Word folded = 0;
+#pragma unroll 4
+    for (unsigned b = threadIdx.x / kWords; b < gridDim.x; b += kShares) {
+      const Word w = block_sums[b * kWords + word];
+      folded = word == 0 ? (folded | w) : folded + w;
+    }
+    shares[threadIdx.x] = folded;
+    __syncthreads();
+    if (threadIdx.x < kWords) {
+      folded = 0;
+      for (int s = 0; s < kShares; ++s) {
+        const Word w = shares[s * kWords + word];
+        folded = word == 0 ? (folded | w) : folded + w;
       }
-      words[i] = folded;
+      words[word] = folded;
     }
     __syncthreads();
   }
