@@ -15,7 +15,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,8 +76,10 @@ def relative_error(value: Tensor, reference: float) -> float:
 def time_side_by_side(fns: dict[str, Callable[[], object]], reps: int = 20,
                       warmup_s: float = 0.25) -> dict[str, float]:
     """Median device time of one call of each function, in ms. The functions take turns
-    call by call, so drifting clocks and temperature weigh on them alike; back-to-back
-    warm-up calls for `warmup_s` first bring the clocks up from idle."""
+    call by call, so drifting clocks and temperature weigh on them alike, and the order
+    of a turn rotates, so that no function always follows the same one (what ran before
+    shapes the queue and the caches a call meets); back-to-back warm-up calls for
+    `warmup_s` first bring the clocks up from idle."""
     deadline = time.perf_counter() + warmup_s
     calls = 0
     while calls < 3 or time.perf_counter() < deadline:
@@ -88,13 +90,21 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], reps: int = 20,
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(reps)] for name in fns}
     for rep in range(reps):
-        for name, fn in fns.items():
+        for name in turn_order(fns, rep):
+            fn = fns[name]
             start, end = events[name][rep]
             start.record()
             fn()
             end.record()
     torch.cuda.synchronize()
     return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+
+
+def turn_order(names: Iterable[str], turn: int) -> list[str]:
+    """The names rotated by `turn`: over len(names) turns each takes every place once."""
+    names = list(names)
+    k = turn % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def time_ms(fn: Callable[[], object], reps: int = 20) -> float:

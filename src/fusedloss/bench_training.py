@@ -34,7 +34,8 @@ from torch import Tensor, nn
 
 import fusedloss
 
-from .bench import _dtype_name, _fresh_compile, _progress, device_copy, seed_inputs, time_side_by_side
+from .bench import (_dtype_name, _fresh_compile, _progress, device_copy, seed_inputs, time_side_by_side,
+                    turn_order)
 
 LATENCY_EXPONENTS = (7, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
 SYSTEMS = ("fused", "eager", "compile")
@@ -89,7 +90,7 @@ def wall_us(calls: dict[str, Step], reps: int = 7, min_s: float = 0.02, min_call
             warmup_s: float = 0.1) -> dict[str, float]:
     """Median host wall time per call, in µs. Each measurement runs back-to-back calls for
     >= `min_s` and >= `min_calls` calls; the systems take turns measurement by measurement,
-    so drift weighs on them alike."""
+    so drift weighs on them alike, in rotating order."""
     for fn in calls.values():  # compiles, if it must, before the warm-up clock starts
         fn()
     deadline, rounds = time.perf_counter() + warmup_s, 0
@@ -100,9 +101,9 @@ def wall_us(calls: dict[str, Step], reps: int = 7, min_s: float = 0.02, min_call
         rounds += 1
     counts = {name: max(min_calls, math.ceil(min_s / _wall_s(fn, 3))) for name, fn in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, fn in calls.items():
-            samples[name].append(_wall_s(fn, counts[name]) * 1e6)
+    for rep in range(reps):
+        for name in turn_order(calls, rep):
+            samples[name].append(_wall_s(calls[name], counts[name]) * 1e6)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -131,15 +132,17 @@ def capture(step: Step, log: Log = print) -> torch.cuda.CUDAGraph | None:
 def graph_us(graphs: dict[str, torch.cuda.CUDAGraph | None], reps: int = 11,
              min_us: float = 20_000) -> dict[str, float]:
     """Median GPU time of one replay, in µs: a batch of replays (>= `min_us`, 3..100) between
-    two events, the systems taking turns batch by batch. A GPU sleep before each batch lets
-    the host queue the whole batch, so the events time the GPU rather than the launches."""
+    two events, the systems taking turns batch by batch in rotating order. A GPU sleep
+    before each batch lets the host queue the whole batch, so the events time the GPU
+    rather than the launches."""
     live = {name: graph for name, graph in graphs.items() if graph is not None}
     # Host-bound small graphs read slow here, which only caps them at 100.
     batch = {name: max(3, min(100, math.ceil(min_us / (_wall_s(graph.replay, 3) * 1e6))))
              for name, graph in live.items()}
     events: dict[str, list] = {name: [] for name in live}
-    for _ in range(reps):
-        for name, graph in live.items():
+    for rep in range(reps):
+        for name in turn_order(live, rep):
+            graph = live[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(50_000 * batch[name])  # ~25 µs per queued replay at ~2 GHz
             start.record()
