@@ -19,13 +19,15 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
    read input + read target + write grad_input.
      user:  (F.mse_loss(p, t, reduction="none") * w).mean()
      fused: fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel())
-2. Masked MSE: a (B, T, D) = (32, 4096, 256) series (2^25 elements), float32 and bfloat16, a
-   0/1 mask (B, T, 1) of random lengths T/2..T; the count is computed inside every step.
+2. Masked MSE, as masked pretraining (MAE) writes it: a (B, T, D) = (32, 4096, 256) series
+   (2^25 elements), float32 and bfloat16, a 0/1 token mask (B, T) of random lengths T/2..T;
+   the count is computed inside every step.
    read input + read target + write grad_input.
-     user:  (F.mse_loss(p, t, reduction="none") * mask).sum() / mask.expand_as(p).sum()
-     fused: fusedloss.mse_loss(p, t, weight=mask, reduction="sum", scale=1 / mask.expand_as(p).sum())
+     user:  (F.mse_loss(p, t, reduction="none").mean(dim=-1) * mask).sum() / mask.sum()
+     fused: fusedloss.mse_loss(p, t, weight=mask[..., None], reduction="sum",
+                               scale=1 / (mask.sum() * D))
    and, float32, fusedloss's own weighted mean, which divides by the mask's sum as it lies
-   (the same value): fusedloss.mse_loss(p, t, weight=mask). Wall time too.
+   (the same value): fusedloss.mse_loss(p, t, weight=mask[..., None]). Wall time too.
 3. Per-sample-weighted diffusion MSE: bfloat16 latents (B, 4, 128, 128), B = 16, 32, 64, 128
    (2^20 .. 2^23 elements), a weight per sample w (B,). These sizes are bound by the host, so
    the row also gives host wall time per step of back-to-back steps (bench_training.wall_us,
@@ -87,10 +89,10 @@ SECTIONS = {
     "graphcast": "1. Weighted MSE, weight (1, C, H, 1) = per variable x cos(lat) per row (GraphCast): "
                  "user (F.mse_loss(p, t, reduction='none') * w).mean(); "
                  "fused mse_loss(p, t, weight=w, reduction='sum', scale=1 / p.numel())",
-    "masked": "2. Masked MSE, float32 0/1 mask (B, T, 1), count inside the step: "
-              "user (F.mse_loss(p, t, reduction='none') * mask).sum() / mask.expand_as(p).sum(); "
-              "fused mse_loss(p, t, weight=mask, reduction='sum', scale=1 / mask.expand_as(p).sum()); "
-              "'weight=mask mean': fused mse_loss(p, t, weight=mask), the same value",
+    "masked": "2. Masked MSE (MAE), float32 0/1 token mask (B, T), count inside the step: "
+              "user (F.mse_loss(p, t, reduction='none').mean(dim=-1) * mask).sum() / mask.sum(); "
+              "fused mse_loss(p, t, weight=mask[..., None], reduction='sum', scale=1 / (mask.sum() * D)); "
+              "'weight=mask mean': fused mse_loss(p, t, weight=mask[..., None]), the same value",
     "diffusion": "3. Per-sample-weighted diffusion MSE, bf16 latents, float32 w (B,): "
                  "user (F.mse_loss(p.float(), t.float(), reduction='none').mean(dim=(1, 2, 3)) * w).mean(); "
                  "fused mse_loss(p, t, weight=w.view(B, 1, 1, 1), reduction='sum', scale=1 / p.numel()); "
@@ -202,20 +204,20 @@ def masked_row(dtype: torch.dtype, shape: tuple[int, ...] = MASKED_SHAPE, log: C
     """With `builtin_mean`, fusedloss's own weighted mean (`weight=mask`, reduction='mean'),
     which divides by the mask's sum as it lies, against the same user code."""
     torch.manual_seed(0)
-    batch, steps, _ = shape
+    batch, steps, features = shape
     p, t = seed_inputs(shape, dtype, "cuda")
     lengths = torch.randint(steps // 2, steps + 1, (batch, 1), device="cuda")
-    mask = (torch.arange(steps, device="cuda") < lengths).float().unsqueeze(-1)  # (B, T, 1)
+    mask = (torch.arange(steps, device="cuda") < lengths).float()  # (B, T)
 
     def user(p: Tensor, t: Tensor, mask: Tensor) -> Tensor:
-        return (F.mse_loss(p, t, reduction="none") * mask).sum() / mask.expand_as(p).sum()
+        return (F.mse_loss(p, t, reduction="none").mean(dim=-1) * mask).sum() / mask.sum()
 
     compiled = _fresh_compile(user)
     if builtin_mean:
-        fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask)), f"mse, weight=mask mean, {shape}"
+        fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask[..., None])), f"mse, weight=mask mean, {shape}"
     else:
-        fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask, reduction="sum",
-                                                   scale=1 / mask.expand_as(p).sum())), f"mse, mask (B,T,1), {shape}"
+        fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask[..., None], reduction="sum",
+                                                   scale=1 / (mask.sum() * features))), f"mse, mask (B,T), {shape}"
     losses = {"fused": fused, "eager": lambda: user(p, t, mask), "compile": lambda: compiled(p, t, mask)}
     return measure("masked", label, p, t, losses, wall=True, log=log)
 
