@@ -378,8 +378,11 @@ def _fused_weighted_loss(
             host_scale /= numel
         else:
             # The sum of the weight expanded to the loss's shape, without expanding it
-            # (as given, in PyTorch's own case).
-            divisor = weight.sum(dtype=torch.float64)
+            # (as given, in PyTorch's own case). Below a float64 loss, summed in float32 as
+            # PyTorch sums it, which reads a 16- or 32-bit weight where it lies: a float64
+            # sum would copy it first. A mask of integers is counted exactly.
+            in_float32 = weight.is_floating_point() and result_dtype != torch.float64
+            divisor = weight.sum(dtype=torch.float32 if in_float32 else torch.float64)
             if not pytorch_case:
                 host_scale /= numel // weight.numel()
     output_mask = _NO_GRADIENTS
