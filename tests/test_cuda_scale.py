@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 
+import fusedloss
 from fusedloss import build, formulas
 
 from conftest import LOSSES, loss_kwargs, requires_cuda
@@ -89,6 +90,43 @@ def test_more_than_2_31_elements_with_gradients():
             input[tail].double(), target[tail].double(), "huber", PARAMS["huber"], "none"), rtol=2e-6, atol=1e-30)
         torch.testing.assert_close(_loss("mse", input, target, "sum").double(),
                                    _chunked_float64("mse", input, target, "sum"), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("weight_shape", [(1, 32769, 1), (1, 1, 65537)], ids=["per-row", "per-column"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_weighted_past_2_32_elements_with_gradients(weight_shape, reduction):
+    """A weight read where it lies over more than 2^32 elements (64-bit weight indices), with
+    a scale on the device and the gradient written by the forward."""
+    shape = (2, 32769, 65537)  # 2^32 + 262210 elements
+    n = shape[0] * shape[1] * shape[2]
+    _needs_memory(3 * 2 * n + 12 * GIB)
+    input = torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(3).requires_grad_()
+    target = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(weight_shape, device="cuda") + 0.25
+    scale = torch.tensor(2.0**-30, device="cuda")
+    out = fusedloss.mse_loss(input, target, weight=weight, reduction=reduction, scale=scale)
+    out.backward()
+    assert out.dtype == torch.float32
+    expected = torch.zeros((), dtype=torch.float64, device="cuda")
+    rows = 1024
+    with torch.no_grad():
+        for sample in range(shape[0]):
+            for row in range(0, shape[1], rows):
+                part = (slice(sample, sample + 1), slice(row, row + rows))
+                squared = (input[part].double() - target[part].double()) ** 2
+                expected += (squared * weight.expand(shape)[part].double()).sum()
+    factor = scale.double()
+    if reduction == "mean":
+        factor = factor / (weight.double().sum() * (n // weight.numel()))
+    torch.testing.assert_close(out.double(), expected * factor, rtol=2e-6, atol=0)
+    flat_input, flat_target, flat_grad = input.detach().view(-1), target.view(-1), input.grad.view(-1)
+    for start in (0, (1 << 31) - 5, (1 << 32) - 5, n - 1000):  # past 2^31 and 2^32 too
+        part = slice(start, start + 1000)
+        element_weight = weight.expand(shape)[torch.unravel_index(torch.arange(start, start + 1000, device="cuda"),
+                                                                  shape)]
+        grad = 2 * (flat_input[part].double() - flat_target[part].double()) * element_weight.double() * factor
+        # one bfloat16 rounding of the float32 gradient
+        torch.testing.assert_close(flat_grad[part].double(), grad.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-30)
 
 
 def test_the_largest_float16_pair_that_fits():
