@@ -340,9 +340,17 @@ def _weighted_loss(
 
 
 def _expanded_sum(weight: Tensor, shape: torch.Size, like: Tensor) -> Tensor:
-    """The sum of the weight expanded to `shape`, in float64, without expanding it, in `like`'s dtype."""
+    """The sum of the weight expanded to `shape`, without expanding it, in `like`'s dtype."""
     multiplicity = shape.numel() // weight.numel() if weight.numel() else 0
-    return (weight.sum(dtype=torch.float64) * multiplicity).to(like.dtype)
+    return (_weight_sum(weight, like.dtype) * multiplicity).to(like.dtype)
+
+
+def _weight_sum(weight: Tensor, loss_dtype: torch.dtype) -> Tensor:
+    """A weighted mean's divisor, the weight's sum as it lies: below a float64 loss, in
+    float32 as PyTorch sums it, which reads a 16- or 32-bit weight where it lies (a float64
+    sum would copy it first); a mask of integers is counted exactly."""
+    in_float32 = weight.is_floating_point() and loss_dtype != torch.float64
+    return weight.sum(dtype=torch.float32 if in_float32 else torch.float64)
 
 
 def _fused_weighted_loss(
@@ -378,11 +386,8 @@ def _fused_weighted_loss(
             host_scale /= numel
         else:
             # The sum of the weight expanded to the loss's shape, without expanding it
-            # (as given, in PyTorch's own case). Below a float64 loss, summed in float32 as
-            # PyTorch sums it, which reads a 16- or 32-bit weight where it lies: a float64
-            # sum would copy it first. A mask of integers is counted exactly.
-            in_float32 = weight.is_floating_point() and result_dtype != torch.float64
-            divisor = weight.sum(dtype=torch.float32 if in_float32 else torch.float64)
+            # (as given, in PyTorch's own case).
+            divisor = _weight_sum(weight, result_dtype)
             if not pytorch_case:
                 host_scale /= numel // weight.numel()
     output_mask = _NO_GRADIENTS
