@@ -235,9 +235,10 @@ struct DeviceScale {
 // chunk that stays within the innermost run starts at a 16-byte-aligned
 // weight. `index_32bit`: all indices fit 32 bits, and q / size[d] =
 // (umulhi(q, magic[d]) + q) >> shift[d] (Granlund and Montgomery's division by
-// invariant integers); at most kWideWeightRuns runs where they don't. In
-// float32, or float64 with fp64 operands. Null: every weight is 1.
-constexpr int kWeightRuns = 3;
+// invariant integers); at most kWideWeightRuns runs where they don't. A loss
+// of up to kWeightRuns dimensions has at most as many runs. In float32, or
+// float64 with fp64 operands. Null: every weight is 1.
+constexpr int kWeightRuns = 6;
 constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
@@ -957,9 +958,10 @@ struct DeviceScale {
 // chunk that stays within the innermost run starts at a 16-byte-aligned
 // weight. `index_32bit`: all indices fit 32 bits, and q / size[d] =
 // (umulhi(q, magic[d]) + q) >> shift[d] (Granlund and Montgomery's division by
-// invariant integers); at most kWideWeightRuns runs where they don't. In
-// float32, or float64 with fp64 operands. Null: every weight is 1.
-constexpr int kWeightRuns = 3;
+// invariant integers); at most kWideWeightRuns runs where they don't. A loss
+// of up to kWeightRuns dimensions has at most as many runs. In float32, or
+// float64 with fp64 operands. Null: every weight is 1.
+constexpr int kWeightRuns = 6;
 constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
@@ -1992,20 +1994,17 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
     constexpr int kShares = kBlockThreads / kWords;
     __shared__ Word shares[kBlockThreads];
     const int word = threadIdx.x % kWords;
+    const auto fold = [word](Word folded, Word w) { return word == 0 ? (folded | w) : folded + w; };
     Word folded = 0;
 #pragma unroll 4
     for (unsigned b = threadIdx.x / kWords; b < gridDim.x; b += kShares) {
-      const Word w = block_sums[b * kWords + word];
-      folded = word == 0 ? (folded | w) : folded + w;
+      folded = fold(folded, block_sums[b * kWords + word]);
     }
     shares[threadIdx.x] = folded;
     __syncthreads();
     if (threadIdx.x < kWords) {
       folded = 0;
-      for (int s = 0; s < kShares; ++s) {
-        const Word w = shares[s * kWords + word];
-        folded = word == 0 ? (folded | w) : folded + w;
-      }
+      for (int s = 0; s < kShares; ++s) folded = fold(folded, shares[s * kWords + word]);
       words[word] = folded;
     }
     __syncthreads();

@@ -66,20 +66,17 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
     constexpr int kShares = kBlockThreads / kWords;
     __shared__ Word shares[kBlockThreads];
     const int word = threadIdx.x % kWords;
+    const auto fold = [word](Word folded, Word w) { return word == 0 ? (folded | w) : folded + w; };
     Word folded = 0;
 #pragma unroll 4
     for (unsigned b = threadIdx.x / kWords; b < gridDim.x; b += kShares) {
-      const Word w = block_sums[b * kWords + word];
-      folded = word == 0 ? (folded | w) : folded + w;
+      folded = fold(folded, block_sums[b * kWords + word]);
     }
     shares[threadIdx.x] = folded;
     __syncthreads();
     if (threadIdx.x < kWords) {
       folded = 0;
-      for (int s = 0; s < kShares; ++s) {
-        const Word w = shares[s * kWords + word];
-        folded = word == 0 ? (folded | w) : folded + w;
-      }
+      for (int s = 0; s < kShares; ++s) folded = fold(folded, shares[s * kWords + word]);
       words[word] = folded;
     }
     __syncthreads();
