@@ -1052,14 +1052,17 @@ def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monke
     assert_gradient_close64(results[0][1], torch.autograd.grad(expected, x64)[0])
 
 
-# (loss shape, weight shape): the weight's runs of dimensions (ElementWeight) one to three,
+# (loss shape, weight shape): the weight's runs of dimensions (ElementWeight) one to four,
 # innermost runs long and short, of a multiple of 8 weights (vector loads) or not, shorter
-# than a chunk (every chunk walks), and four runs (expanded first).
+# than a chunk (every chunk walks), and five or six runs (expanded first).
 WEIGHT_LAYOUTS = [
     ((6, 5, 8, 16), (6, 1, 8, 16)),  # a spatial mask
     ((6, 5, 8, 16), (1, 5, 1, 16)),
     ((6, 5, 8, 16), (6, 5, 1, 16)),
     ((6, 5, 8, 16), (6, 1, 8, 1)),  # four runs
+    ((3, 4, 5, 6, 7), (3, 1, 5, 1, 1)),  # a per-frame weight of a video loss, four runs
+    ((3, 4, 5, 6, 7), (3, 1, 5, 1, 7)),  # five
+    ((2, 3, 4, 5, 6, 7), (2, 1, 4, 1, 6, 1)),  # six
     ((4, 3, 5, 7), (4, 1, 5, 7)),
     ((2, 3, 2, 3), (2, 1, 2, 3)),
     ((5, 3, 1000, 3), (1, 3, 1, 3)),
@@ -1100,7 +1103,7 @@ def test_cuda_weight_read_in_place_has_the_expanded_weights_bits(cuda, name, lay
 
 @requires_cuda
 @pytest.mark.parametrize("weight_kind", ["per-sample", "per-channel", "channel-row", "0-d", "spatial-mask",
-                                         "channel-column", "own-size"])
+                                         "channel-column", "sample-row", "own-size"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_kind):
@@ -1109,7 +1112,7 @@ def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_k
     shape = (4, 5, 7, 1 << 15)
     x, y = operands(shape, cuda)
     weight = make_weight("positive", cuda, shape={"per-sample": (4, 1, 1, 1), "per-channel": (1, 5, 1, 1),
-                                           "channel-row": (1, 5, 7, 1), "0-d": (),
+                                           "channel-row": (1, 5, 7, 1), "0-d": (), "sample-row": (4, 1, 7, 1),
                                            "spatial-mask": (4, 1, 7, 1 << 15),
                                            "channel-column": (1, 5, 1, 1 << 15), "own-size": shape}[weight_kind])
     with torch.no_grad():

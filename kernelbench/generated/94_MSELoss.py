@@ -238,7 +238,7 @@ struct DeviceScale {
 // invariant integers); at most kWideWeightRuns runs where they don't. A loss
 // of up to kWeightRuns dimensions has at most as many runs. In float32, or
 // float64 with fp64 operands. Null: every weight is 1.
-constexpr int kWeightRuns = 6;
+constexpr int kWeightRuns = 4;
 constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
@@ -961,7 +961,7 @@ struct DeviceScale {
 // invariant integers); at most kWideWeightRuns runs where they don't. A loss
 // of up to kWeightRuns dimensions has at most as many runs. In float32, or
 // float64 with fp64 operands. Null: every weight is 1.
-constexpr int kWeightRuns = 6;
+constexpr int kWeightRuns = 4;
 constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;

@@ -40,9 +40,10 @@ struct DeviceScale {
 // chunk that stays within the innermost run starts at a 16-byte-aligned
 // weight. `index_32bit`: all indices fit 32 bits, and q / size[d] =
 // (umulhi(q, magic[d]) + q) >> shift[d] (Granlund and Montgomery's division by
-// invariant integers); at most kWideWeightRuns runs where they don't. In
-// float32, or float64 with fp64 operands. Null: every weight is 1.
-constexpr int kWeightRuns = 3;
+// invariant integers); at most kWideWeightRuns runs where they don't. A loss
+// of up to kWeightRuns dimensions has at most as many runs. In float32, or
+// float64 with fp64 operands. Null: every weight is 1.
+constexpr int kWeightRuns = 4;
 constexpr int kWideWeightRuns = 2;
 struct ElementWeight {
   const void* weight = nullptr;
