@@ -6,8 +6,9 @@ backward), 16-byte aligned and misaligned operands, lengths that leave a tail
 after the last full vector, reductions of one block and of many (blockwise and
 tile per block), and the autocast kernels that read 16-bit operands; the
 weighted reductions with each weight layout (none, one value, one to three
-runs of dimensions, runs shorter than a chunk, the loss's own size) and scale
-on the host and on the device.
+runs of dimensions, runs shorter than a chunk, the loss's own size), scale
+on the host and on the device, and a weight that requires grad (its gradient
+written beside the input's).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> None:
         offset = i % 2
         input = operand(5 * 7 * 13, in_dtype, offset).view(5, 7, 13)
         target = operand(5 * 7 * 13, tgt_dtype, offset).view(5, 7, 13)
-        weight = None if weight_shape is None else torch.rand(weight_shape, device="cuda")
+        weight = None if weight_shape is None else torch.rand(weight_shape, device="cuda").requires_grad_(i % 2 == 0)
         scale = torch.tensor(0.25, device="cuda") if i % 3 else 0.5
         for reduction, fused_from in itertools.product(("mean", "sum"), (0, 1 << 62)):
             # The gradient written by the forward's pass, then recomputed in backward.

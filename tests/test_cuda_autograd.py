@@ -284,7 +284,7 @@ def test_saved_tensor_hooks_and_anomaly_mode_see_the_operands(name, reduction):
 @pytest.mark.parametrize("op, extra", [
     ("reduced_loss", ("mse", 0.0, "mean", [False, False])),
     ("pointwise_loss", ("mse", 0.0)),
-    ("weighted_loss", (None, None, None, 1.0, "mse", 0.0, [False, False])),
+    ("weighted_loss", (None, None, None, 1.0, "mse", 0.0, [False, False, False])),
 ])
 def test_the_operators_refuse_dual_tensors(op, extra):
     """The operators have no forward-mode rule: called directly with a tangent they raise,

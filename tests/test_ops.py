@@ -99,13 +99,23 @@ def test_opcheck_weighted(device, loss, weight_shape):
     input, target, name, param = _sample_args(device, loss)
     weight = None if weight_shape is None else torch.rand(weight_shape, device=device)
     scale, divisor = torch.tensor(0.3, device=device), torch.tensor(4.0, dtype=torch.float64, device=device)
-    for mask in ([True, True], [True, False], [False, False]):
+    masks = [[True, True, False], [True, False, False], [False, False, False]]
+    if weight is not None:
+        masks += [[True, True, True], [False, True, True]]
+    for mask in masks:
         for scales in ((None, None, 1.0), (scale, divisor, 0.5)):
             torch.library.opcheck(torch.ops.fusedloss.weighted_loss,
                                   (input, target, weight, *scales, name, param, mask))
-    torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward,
-                          (torch.tensor(0.37, device=device), input.detach(), target.detach(), weight, scale, divisor,
-                           0.5, name, param, [True, True]))
+            if weight is not None:  # the weight's and the divisor's gradients too
+                weight_with_grad = weight.clone().requires_grad_()
+                divisor_with_grad = scales[1] if scales[1] is None else scales[1].clone().requires_grad_()
+                torch.library.opcheck(torch.ops.fusedloss.weighted_loss,
+                                      (input, target, weight_with_grad, scales[0], divisor_with_grad, scales[2], name,
+                                       param, mask))
+    for mask in masks:
+        torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward,
+                              (torch.tensor(0.37, device=device), input.detach(), target.detach(), weight, scale,
+                               divisor, 0.5, name, param, mask))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,10 +143,24 @@ def test_gradcheck_float64(device, loss, reduction):
 
         def weighted(input, target):
             return torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 0.7, loss, PARAMS[loss],
-                                                     [True, True])[0]
+                                                     [True, True, False])[0]
 
         assert torch.autograd.gradcheck(weighted, (input, target))
         assert torch.autograd.gradgradcheck(weighted, (input, target))
+
+        # The weight's and the divisor's gradients, written in the forward's pass or not.
+        divisor = (torch.rand((), dtype=torch.float64, device=device) + 0.5).requires_grad_()
+        weight.requires_grad_()
+        for mask in ([True, True, True], [False, False, False]):
+            def with_weight(input, target, weight, divisor, mask=mask):
+                return torch.ops.fusedloss.weighted_loss(input, target, weight, None, divisor, 0.7, loss,
+                                                         PARAMS[loss], mask)[0]
+
+            assert torch.autograd.gradcheck(with_weight, (input, target, weight, divisor))
+            assert torch.autograd.gradgradcheck(with_weight, (input, target, weight, divisor))
+            # the weight's gradient alone, which the kernels write only beside an operand's
+            assert torch.autograd.gradcheck(lambda weight: with_weight(input.detach(), target.detach(), weight,
+                                                                       divisor.detach()), (weight,))
 
 
 @pytest.mark.parametrize("device", DEVICES)

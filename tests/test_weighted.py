@@ -338,27 +338,31 @@ class _RecordOps(TorchDispatchMode):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("name", NAMES)
 def test_against_float64(device, name, reduction, weight_kind, scale_kind):
-    """Gradients of input and target; then of a floating-point weight and a tensor scale too."""
+    """Gradients of input and target; then of a floating-point weight (the fused pass's
+    weight gradient); then of a tensor scale too (torch operations)."""
     input, target = operands(SHAPE, device)
-    for requires_grad in (False, True):
-        weight = make_weight(weight_kind, device, requires_grad=requires_grad)
-        scale = make_scale(scale_kind, device, requires_grad=requires_grad)
+    for weight_grad, scale_grad in ((False, False), (True, False), (True, True)):
+        weight = make_weight(weight_kind, device, requires_grad=weight_grad)
+        scale = make_scale(scale_kind, device, requires_grad=scale_grad)
         check_against_reference(name, reduction, input, target, weight, scale,
-                                msg=f"weight and scale require grad: {requires_grad}")
+                                msg=f"weight requires grad: {weight_grad}, scale: {scale_grad}")
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_weighted_call_runs_a_fusedloss_operator(device, name, reduction):
-    """On the fused path (fused-cpu, cuda) a weighted loss whose weight and scale need no
-    gradient runs a fusedloss:: operator, so the other tests there test the kernels."""
+    """On the fused path (fused-cpu, cuda) a weighted loss whose scale needs no gradient
+    runs a fusedloss:: operator, with a weight that requires grad too, so the other tests
+    there test the kernels."""
     if device == "cpu" and not functional._kernels_apply(torch.ones(1), torch.ones(1)):
         pytest.skip("fusedloss's plain CPU path: torch operations by design")
     input, target = operands(SHAPE, device)
-    weight = make_weight("per-channel", device)
-    with _RecordOps() as recorder:
-        weighted_loss(name, input, target, reduction, weight=weight, scale=0.5)
-    assert any(op.startswith("fusedloss.") for op in recorder.ops), recorder.ops
+    for requires_grad in (False, True):
+        weight = make_weight("per-channel", device, requires_grad=requires_grad)
+        with _RecordOps() as recorder:
+            weighted_loss(name, input, target, reduction, weight=weight, scale=0.5)
+        wanted = "fusedloss.pointwise_loss" if reduction == "none" else "fusedloss.weighted_loss"
+        assert any(op.startswith(wanted) for op in recorder.ops), recorder.ops
 
 
 DTYPE_CASES = [  # (operands, weight): the result is their promotion (a bool/int weight: the operands')
@@ -1050,6 +1054,63 @@ def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monke
     expected = reference64(name, x64, y64, reduction, weight, scale)
     assert_close64(results[0][0], expected)
     assert_gradient_close64(results[0][1], torch.autograd.grad(expected, x64)[0])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weight_shape", [(8, 4, 1 << 20), (1, 4, 1), ()], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["mse", "pseudo_huber"])
+def test_cuda_weight_gradient_written_by_the_forward(cuda, name, reduction, weight_shape, dtype, monkeypatch):
+    """A weight that requires grad: the forward's pass writes its gradient beside the
+    input's (operands past FUSED_GRADIENT_FROM_BYTES), with the same bits as backward
+    computing it, for grad_output 1 and not 1, and float64's values; the weighted mean's
+    divisor adds its part. Wanted alone (no operand's gradient), it is computed with torch
+    operations, to the same values."""
+    shape = (8, 4, 1 << 20)
+    x, y = operands(shape, cuda, dtype)
+    y.requires_grad_(False)
+    assert x.numel() * (x.element_size() + y.element_size()) >= functional.FUSED_GRADIENT_FROM_BYTES
+    weight = make_weight("positive", cuda, requires_grad=True, shape=weight_shape)
+    scale = torch.tensor(0.25, device=cuda)
+    for times in (1.0, 0.37):
+        results = []
+        for threshold in (functional.FUSED_GRADIENT_FROM_BYTES, 1 << 62):
+            monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+            out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
+            results.append((out, *torch.autograd.grad(out * times, (x, weight))))
+        for a, b, what in zip(*results, ("loss", "grad input", "grad weight")):
+            assert torch.equal(a, b), f"{what}, grad_output {times}"
+    expected = reference_gradients(name, reduction, dict(input=x, target=y, weight=weight, scale=scale),
+                                   torch.tensor(times, dtype=torch.float64, device=cuda))
+    assert_gradient_close64(results[0][1], expected["input"][0], dtype, bound=expected["input"][1])
+    assert_gradient_close64(results[0][2], expected["weight"][0], dtype, bound=expected["weight"][1], msg="weight")
+    out = weighted_loss(name, x.detach(), y, reduction, weight=weight, scale=scale)
+    alone = torch.autograd.grad(out * times, weight)[0]
+    assert_gradient_close64(alone, expected["weight"][0], dtype, bound=expected["weight"][1], msg="weight alone")
+
+
+@requires_cuda
+def test_cuda_weight_gradient_pass_writes_no_copy(cuda):
+    """With the weight's gradient fused, a training step of a weighted mean allocates the
+    gradients it returns and the weight's per-element gradient, nothing more of N."""
+    shape = (8, 4, 1 << 20)
+    x, y = operands(shape, cuda)
+    y.requires_grad_(False)
+    weight = make_weight("positive", cuda, requires_grad=True, shape=(1, 4, 1))
+    out = weighted_loss("mse", x, y, "mean", weight=weight)  # warm-up
+    torch.autograd.grad(out, (x, weight))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = weighted_loss("mse", x, y, "mean", weight=weight)
+    grads = torch.autograd.grad(out, (x, weight))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    n_bytes = x.numel() * x.element_size()
+    # grad input (N) + the weight's per-element gradient (N float32) + small buffers
+    assert extra < 2 * n_bytes + n_bytes // 8, f"{extra} bytes for {x.numel()} elements"
+    assert grads[1].shape == weight.shape
 
 
 # (loss shape, weight shape): the weight's runs of dimensions (ElementWeight) one to four,

@@ -294,18 +294,22 @@ cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void*
 
 // A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
 // loss's dtype, and where the pointers are set the gradients (times weight and
-// scale) in the same pass. Each tile's sum goes to `partials`
-// (weighted_reduced_loss_partials doubles), which a second launch adds up in a
-// fixed order: the same bits on every run, with weights of either sign.
+// scale) in the same pass. `grad_weight` (the loss's dtype and size) gets
+// scale * loss(e), d out / d weight(e) for a fixed scale; it is written only
+// beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
+// sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
+// second launch adds up in a fixed order: the same bits on every run, with
+// weights of either sign.
 int64_t weighted_reduced_loss_partials(const LossProblem& problem);
 cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
-                                         void* grad_target, void* out, cudaStream_t stream);
+                                         void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 
 // Its backward for a one-element `grad_output` in the loss's dtype: the
 // forward's gradients times grad_output, recomputed, with the bits that scaling
 // those in place gives.
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
-                                                  void* grad_input, void* grad_target, cudaStream_t stream);
+                                                  void* grad_input, void* grad_target, void* grad_weight,
+                                                  cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -471,6 +475,10 @@ Operands prepare(const at::Tensor& input_as_given, const at::Tensor& target_as_g
 // that gradient is not wanted.
 at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
   return wanted ? at::empty_like(like, at::MemoryFormat::Contiguous) : at::empty({0}, like.options());
+}
+
+at::Tensor maybe_grad_buffer(bool wanted, const at::TensorOptions& options, at::IntArrayRef shape) {
+  return wanted ? at::empty(shape, options) : at::empty({0}, options);
 }
 
 void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
@@ -689,29 +697,39 @@ WeightedProblem prepare_weighted(const at::Tensor& input, const at::Tensor& targ
   return w;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss(
+// The weight's gradient (the loss's dtype and shape; autograd sums it to the
+// weight's) is written only beside an operand's, as the kernels write it.
+at::Tensor maybe_weight_grad_buffer(std::array<bool, 3> output_mask, const WeightedProblem& w) {
+  TORCH_CHECK(!output_mask[2] || output_mask[0] || output_mask[1],
+              "fusedloss: weighted_loss writes the weight's gradient only with input's or target's");
+  return maybe_grad_buffer(output_mask[2], w.ops.input.options().dtype(w.ops.loss_dtype), w.ops.input.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weighted_loss(
     const at::Tensor& input, const at::Tensor& target, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& divisor, double host_scale,
-    c10::string_view loss, double param, std::array<bool, 2> output_mask, bool autocast) {
+    c10::string_view loss, double param, std::array<bool, 3> output_mask, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
   const at::Tensor& operand = w.ops.input;
   at::Tensor out = at::empty({}, operand.options().dtype(w.ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], operand);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  at::Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
   const int64_t partials = std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem));
   at::Tensor partial_sums = at::empty({partials}, operand.options().dtype(at::kDouble));
   C10_CUDA_CHECK(launch_weighted_reduced_loss(w.ops.problem, partial_sums.data_ptr<double>(),
-                                              data_or_null(grad_input), data_or_null(grad_target), out.data_ptr(),
+                                              data_or_null(grad_input), data_or_null(grad_target),
+                                              data_or_null(grad_weight), out.data_ptr(),
                                               c10::cuda::getCurrentCUDAStream()));
-  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
 
-std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
     const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss, double param,
-    std::array<bool, 2> output_mask, bool autocast) {
+    std::array<bool, 3> output_mask, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
@@ -719,9 +737,11 @@ std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
   const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  at::Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
   C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(w.ops.problem, go.data_ptr(), data_or_null(grad_input),
-                                                       data_or_null(grad_target), c10::cuda::getCurrentCUDAStream()));
-  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+                                                       data_or_null(grad_target), data_or_null(grad_weight),
+                                                       c10::cuda::getCurrentCUDAStream()));
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
 #endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
@@ -1017,18 +1037,22 @@ cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void*
 
 // A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
 // loss's dtype, and where the pointers are set the gradients (times weight and
-// scale) in the same pass. Each tile's sum goes to `partials`
-// (weighted_reduced_loss_partials doubles), which a second launch adds up in a
-// fixed order: the same bits on every run, with weights of either sign.
+// scale) in the same pass. `grad_weight` (the loss's dtype and size) gets
+// scale * loss(e), d out / d weight(e) for a fixed scale; it is written only
+// beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
+// sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
+// second launch adds up in a fixed order: the same bits on every run, with
+// weights of either sign.
 int64_t weighted_reduced_loss_partials(const LossProblem& problem);
 cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
-                                         void* grad_target, void* out, cudaStream_t stream);
+                                         void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 
 // Its backward for a one-element `grad_output` in the loss's dtype: the
 // forward's gradients times grad_output, recomputed, with the bits that scaling
 // those in place gives.
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
-                                                  void* grad_input, void* grad_target, cudaStream_t stream);
+                                                  void* grad_input, void* grad_target, void* grad_weight,
+                                                  cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -1269,8 +1293,11 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 
 // How a reduction weighs its elements, fixed at compile time: Unweighted (the
 // plain losses: nothing to load, nothing multiplied, the code of a loss with no
-// weight) or Weighted (an ElementWeight and a DeviceScale, read on the device).
+// weight) or Weighted (an ElementWeight and a DeviceScale, read on the device,
+// and where `grad` is set, d loss / d weight per element written beside the
+// operands' gradients).
 struct Unweighted {
+  static constexpr bool kHasGradient = false;
   template <int kVec>
   static constexpr int kBlocksPerSmFor = fusedloss::kBlocksPerSm;
   template <int W, typename T>
@@ -1299,9 +1326,13 @@ struct Weighted {
     alignas(16) Stored w[W];
   };
 
+  static constexpr bool kHasGradient = true;
+  __device__ __forceinline__ bool writes_gradient() const { return grad != nullptr; }
+
   const Stored* __restrict__ weight;
   ElementWeight layout;
   DeviceScale scale;
+  void* grad;  // the loss's dtype, the loss's shape; null: not written
 
   __device__ __forceinline__ double factor() const {
     double f = scale.host;
@@ -1483,6 +1514,9 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
   static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
+  using typename Base::Out;
+  // The weight's gradient goes with the operands' (a pass that writes none keeps its registers).
+  static constexpr bool kWritesWeightGradient = Weights::kHasGradient && kGrads != Grads::kNone;
   T grad_scale;
   double sum;
   Weights weights;
@@ -1502,16 +1536,22 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     T chunk_sum = 0;
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
+    alignas(16) Out gw[kWritesWeightGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      chunk_sum += Weights::times(c.weight, k, this->value(c.input[k], c.target[k]));
+      const T value = this->value(c.input[k], c.target[k]);
+      chunk_sum += Weights::times(c.weight, k, value);
       const T factor = Weights::times(c.weight, k, grad_scale);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
+      if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(value * grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
     if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (kWritesWeightGradient) {
+      if (weights.writes_gradient()) store_chunk(static_cast<Out*>(weights.grad), first, gw);
+    }
   }
 };
 
@@ -1610,6 +1650,7 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     const T go = to_opmath(*grad_output);
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
+    alignas(16) Out gw[Weights::kHasGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T factor = Weights::times(c.weight, k, grad_scale);
@@ -1619,9 +1660,17 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
         gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], factor), go);
       }
+      if constexpr (Weights::kHasGradient) {
+        if (weights.writes_gradient()) {
+          gw[k] = rounded_product(Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale), go);
+        }
+      }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
     if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (Weights::kHasGradient) {
+      if (weights.writes_gradient()) store_chunk(static_cast<Out*>(weights.grad), first, gw);
+    }
   }
 };
 

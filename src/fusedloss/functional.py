@@ -30,9 +30,12 @@ Weights and scale (every loss):
   ``weight=mask`` (or ``reduction='sum', scale=1 / count``), gradient
   accumulation ``scale=1 / k``, a data-parallel mean ``reduction='sum',
   scale=world_size / all_reduced_count``.
-- A weight or scale that requires grad gets its gradient, computed with torch
-  operations around the fused unweighted loss, as are ``reduction='none'`` with
-  a weight or scale and a tensor ``c`` for pseudo-Huber.
+- A weight that requires grad gets its gradient from the fused pass as well,
+  written per element of the loss beside the operands' gradients and summed to
+  the weight's shape (a weighted mean's divisor adds its part). A scale that
+  requires grad, ``reduction='none'`` with a weight or scale, and a tensor ``c``
+  for pseudo-Huber are computed with torch operations around the fused
+  unweighted loss.
 """
 
 from __future__ import annotations
@@ -170,6 +173,7 @@ _16_BIT = (torch.float16, torch.bfloat16)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
 _MODES = ("mean", "sum", "none")
 _NO_GRADIENTS = [False, False]
+_NO_WEIGHTED_GRADIENTS = [False, False, False]
 # From operands of this many bytes on (both together), a mean or sum may write
 # its gradient in the forward pass (gradient_placement). Below, a step is bound
 # by host time, not memory: backward computes the gradient from the operands,
@@ -269,15 +273,14 @@ def _needs_grad(t: Tensor | float | None) -> bool:
 
 def _fused_weighted_applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None,
                             loss_dtype: torch.dtype) -> bool:
-    """The weighted kernels take no gradient for the weight or a scale tensor, and read
-    a weight of any real dtype but float64 with narrower operands (they hold it in float32)."""
+    """The weighted kernels take no gradient for a scale tensor, and read a weight of any
+    real dtype but float64 with narrower operands (they hold it in float32)."""
     weight_fits = weight is None or (
         isinstance(weight, Tensor)
         and not has_torch_function_variadic(weight)
         and weight.device == input.device
         and not weight.is_complex()
         and (weight.dtype != torch.float64 or loss_dtype == torch.float64)
-        and not _needs_grad(weight)
     )
     scale_fits = not isinstance(scale, Tensor) or (
         not has_torch_function_variadic(scale)
@@ -390,10 +393,10 @@ def _fused_weighted_loss(
             divisor = _weight_sum(weight, result_dtype)
             if not pytorch_case:
                 host_scale /= numel // weight.numel()
-    output_mask = _NO_GRADIENTS
+    output_mask = _NO_WEIGHTED_GRADIENTS
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         if numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES:
-            output_mask = [input.requires_grad, target.requires_grad]
+            output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
     return _weighted_loss_op(input, target, weight, device_scale, divisor, host_scale, loss, param, output_mask,
                              float32_math)[0]
 

@@ -27,11 +27,14 @@ broadcast shape and autograd sums them to each operand's own shape.
   * sum_e weight_e * loss_e`` (``scale`` and ``divisor`` one-element tensors read
   on the device, or None), and its gradients, fused into the forward's pass as
   ``reduced_loss``'s are when ``output_mask`` asks. ``weight`` broadcasts to the
-  operands' shape and is read where it lies. Neither takes a gradient for
-  ``weight``, ``scale`` or ``divisor`` (``functional`` computes those cases with
-  torch operations).
+  operands' shape and is read where it lies. The weight's gradient (the third
+  of ``output_mask``) is written per element of the loss, ``host_scale * scale
+  / divisor * loss_e``, and only beside input's or target's; autograd sums it to
+  the weight's shape, and gives the divisor ``-out / divisor``. ``scale`` takes
+  no gradient (``functional`` computes that case with torch operations).
 - ``weighted_loss_gradients``: weighted_loss's gradients as a composite of
-  torch operations, for ``create_graph=True``.
+  torch operations, for ``create_graph=True`` and for a weight's gradient
+  wanted alone.
 - ``loss_gradients``: the same gradients as a composite of torch operations,
   which autograd can differentiate again (``create_graph=True``).
 
@@ -73,16 +76,16 @@ _lib.define(
 )
 _lib.define(
     "weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, "
-    "str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+    "str loss, float param, bool[3] output_mask, bool autocast=False) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
-    "Tensor? divisor, float host_scale, str loss, float param, bool[2] output_mask, bool autocast=False) "
-    "-> (Tensor, Tensor)"
+    "Tensor? divisor, float host_scale, str loss, float param, bool[3] output_mask, bool autocast=False) "
+    "-> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
-    "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False) -> (Tensor, Tensor)"
+    "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define("scale_(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()")
 _lib.define("grad_output_history() -> Tensor")
@@ -162,15 +165,25 @@ def _reduced_loss_backward_fake(
     return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
 
 
+def _weighted_grad_buffers(input: Tensor, target: Tensor, loss: str, output_mask: Sequence[bool],
+                           autocast: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """weighted_loss's gradient outputs: the operands' dtypes, and the loss's for the weight's."""
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    if output_mask[2] and not (output_mask[0] or output_mask[1]):
+        raise RuntimeError("fusedloss: weighted_loss writes the weight's gradient only with input's or target's")
+    loss_like = input.new_empty((0,), dtype=_loss_dtype(input, target, loss, autocast))
+    return (_grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape),
+            _grad_buffer(output_mask[2], loss_like, shape))
+
+
 @torch.library.register_fake("fusedloss::weighted_loss")
 def _weighted_loss_fake(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
-    shape = torch.broadcast_shapes(input.shape, target.shape)
     out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
-    return out, _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+    return out, *_weighted_grad_buffers(input, target, loss, output_mask, autocast)
 
 
 @torch.library.register_fake("fusedloss::weighted_loss_backward")
@@ -178,10 +191,9 @@ def _weighted_loss_backward_fake(
     grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
     autocast: bool = False,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
-    shape = torch.broadcast_shapes(input.shape, target.shape)
-    return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+    return _weighted_grad_buffers(input, target, loss, output_mask, autocast)
 
 
 @torch.library.register_fake("fusedloss::scale_")
@@ -253,32 +265,47 @@ def weighted_factor(scale: Tensor | None, divisor: Tensor | None, host_scale: fl
 def weighted_gradients(
     grad_output: Tensor | float, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, autocast: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """d loss / d input and d loss / d target of weighted_loss times grad_output, in the
-    broadcast shape, with torch operations (differentiable: create_graph=True)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """d loss / d input, d loss / d target and d loss / d weight (per element, for a fixed
+    divisor) of weighted_loss times grad_output, in the broadcast shape, with torch
+    operations (differentiable: create_graph=True). The weight's is empty without a weight."""
     operands = as_computed(input, target, autocast)
     factor = weighted_factor(scale, divisor, host_scale)
     per_element = factor if weight is None else weight.to(torch.float64) * factor
     # Rounded once with the weight and scale, then times grad_output: the kernels' roundings.
     grad = formulas.loss_grad(*operands, loss, param, per_element) * grad_output
-    return grad.to(input.dtype), (-grad).to(target.dtype)
+    loss_dtype = _loss_dtype(input, target, loss, autocast)
+    if weight is None:
+        grad_weight = input.new_empty((0,), dtype=loss_dtype)
+    else:
+        values = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
+        grad_weight = (values * factor).to(loss_dtype) * grad_output
+    return grad.to(input.dtype), (-grad).to(target.dtype), grad_weight
+
+
+def _weighted_sum(input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
+                  divisor: Tensor | None, host_scale: float, loss: str, param: float, autocast: bool) -> Tensor:
+    operands = as_computed(input, target, autocast)
+    per_element = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
+    if weight is not None:
+        per_element = per_element * weight.to(torch.float64)
+    return (per_element.sum() * weighted_factor(scale, divisor, host_scale)).to(_loss_dtype(input, target, loss,
+                                                                                             autocast))
+
+
+def _masked(gradients: tuple[Tensor, Tensor, Tensor], output_mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(g if wanted else _grad_buffer(False, g, g.shape) for g, wanted in zip(gradients, output_mask))
 
 
 @torch.library.impl(_lib, "weighted_loss", "CPU")
 def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    operands = as_computed(input, target, autocast)
-    per_element = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
-    if weight is not None:
-        per_element = per_element * weight.to(torch.float64)
-    out = (per_element.sum() * weighted_factor(scale, divisor, host_scale)).to(_loss_dtype(input, target, loss, autocast))
-    grad_input, grad_target = weighted_gradients(1.0, input, target, weight, scale, divisor, host_scale, loss, param,
-                                                 autocast)
-    shape = grad_input.shape
-    return (out, grad_input if output_mask[0] else _grad_buffer(False, input, shape),
-            grad_target if output_mask[1] else _grad_buffer(False, target, shape))
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _weighted_grad_buffers(input, target, loss, output_mask, autocast)  # its checks
+    out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast)
+    gradients = weighted_gradients(1.0, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
+    return (out, *_masked(gradients, output_mask))
 
 
 @torch.library.impl(_lib, "weighted_loss_backward", "CPU")
@@ -286,12 +313,11 @@ def _weighted_loss_backward_cpu(
     grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
     autocast: bool = False,
-) -> tuple[Tensor, Tensor]:
-    grad_input, grad_target = weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale,
-                                                 loss, param, autocast)
-    shape = grad_input.shape
-    return (grad_input if output_mask[0] else _grad_buffer(False, input, shape),
-            grad_target if output_mask[1] else _grad_buffer(False, target, shape))
+) -> tuple[Tensor, Tensor, Tensor]:
+    _weighted_grad_buffers(input, target, loss, output_mask, autocast)
+    gradients = weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale, loss, param,
+                                   autocast)
+    return _masked(gradients, output_mask)
 
 
 @torch.library.impl(_lib, "scale_", "CPU")
@@ -394,34 +420,37 @@ def _weighted_setup_context(ctx, inputs, output) -> None:
     ctx.arguments = (host_scale, loss, param, autocast)
     ctx.output_mask = output_mask
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(input, target, weight, scale, divisor)
+    ctx.save_for_backward(input, target, weight, scale, divisor, output[0] if ctx.needs_input_grad[4] else None)
     ctx.fused_gradients = tuple(g.detach() for g in output[1:])  # as in _reduced_setup_context
 
 
-def _weighted_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad_target):
-    if any(ctx.needs_input_grad[2:5]):
-        raise RuntimeError("fusedloss::weighted_loss has no gradient for weight, scale or divisor; "
-                           "fusedloss's loss functions compute those with torch operations")
+def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
+    """As csrc/autograd.cpp's WeightedLossBackward."""
+    if ctx.needs_input_grad[3]:
+        raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
+                           "compute it with torch operations")
     if grad is None:
         return (None,) * 10
-    input, target, weight, scale, divisor = ctx.saved_tensors
+    input, target, weight, scale, divisor, out = ctx.saved_tensors
     host_scale, loss, param, autocast = ctx.arguments
-    needs = ctx.needs_input_grad[:2]
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     fused = ctx.fused_gradients
-    if torch.is_grad_enabled():
-        grad_input, grad_target = torch.ops.fusedloss.weighted_loss_gradients(
+    if torch.is_grad_enabled() or (needs[2] and not (needs[0] or needs[1])):
+        gradients = torch.ops.fusedloss.weighted_loss_gradients(
             grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
     elif fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
         ctx.fused_gradients = None  # scaled in place: the first backward only
-        grad_input = _scaled(fused[0], grad, -1) if needs[0] else None
-        grad_target = _scaled(fused[1], grad, -1) if needs[1] else None
+        gradients = [_scaled(g, grad, -1) if needed else None for g, needed in zip(fused, needs)]
     else:
-        grad_input, grad_target = torch.ops.fusedloss.weighted_loss_backward(
-            grad, input, target, weight, scale, divisor, host_scale, loss, param, [bool(needs[0]), bool(needs[1])],
-            autocast,
-        )
+        gradients = torch.ops.fusedloss.weighted_loss_backward(
+            grad, input, target, weight, scale, divisor, host_scale, loss, param, needs, autocast)
+    grad_input, grad_target, grad_weight = gradients
+    grad_divisor = None
+    if ctx.needs_input_grad[4]:
+        grad_divisor = -(grad.to(divisor.dtype) * out.to(divisor.dtype)) / divisor
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            *(None,) * 8)
+            _sum_to(grad_weight, weight).to(weight.dtype) if needs[2] else None, None, grad_divisor,
+            *(None,) * 5)
 
 
 torch.library.register_autograd(

@@ -25,6 +25,7 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
 using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -51,24 +52,24 @@ Tensors2 call_reduced_loss_backward(const at::Tensor& grad, const at::Tensor& in
 
 using OptionalTensor = c10::optional<at::Tensor>;
 
-Tensors3 call_weighted_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
+Tensors4 call_weighted_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
                             const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
-                            c10::string_view loss, double param, std::array<bool, 2> output_mask, bool autocast) {
+                            c10::string_view loss, double param, std::array<bool, 3> output_mask, bool autocast) {
   static const auto op =
-      find_op<Tensors3(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                       const OptionalTensor&, double, c10::string_view, double, std::array<bool, 2>, bool)>(
+      find_op<Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                       const OptionalTensor&, double, c10::string_view, double, std::array<bool, 3>, bool)>(
           "fusedloss::weighted_loss");
   return op.call(input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast);
 }
 
-Tensors2 call_weighted_loss_backward(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
+Tensors3 call_weighted_loss_backward(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
                                      const OptionalTensor& weight, const OptionalTensor& scale,
                                      const OptionalTensor& divisor, double host_scale, c10::string_view loss,
-                                     double param, std::array<bool, 2> output_mask, bool autocast) {
+                                     double param, std::array<bool, 3> output_mask, bool autocast) {
   static const auto op =
-      find_op<Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+      find_op<Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                        const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
-                       std::array<bool, 2>, bool)>("fusedloss::weighted_loss_backward");
+                       std::array<bool, 3>, bool)>("fusedloss::weighted_loss_backward");
   return op.call(grad, input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast);
 }
 
@@ -168,35 +169,51 @@ struct LossBackward : Node {
   }
 };
 
-// The gradients the forward wrote, times grad. Scaled in place, so only the
-// first backward through a graph may use them; handed over without a copy.
+// The gradients the forward wrote, times grad: input's, target's and (for
+// weighted_loss) the weight's, per element. Scaled in place, so only the first
+// backward through a graph may use them; handed over without a copy.
+using Needs = std::array<bool, 3>;
+using Gradients = std::array<at::Tensor, 3>;
+
 struct FusedGradients {
-  at::Tensor input, target;
+  Gradients grads;
 
-  // What the forward wrote: the reduction's second and third outputs, where asked.
-  void keep(const Tensors3& outputs, std::array<bool, 2> written) {
-    if (written[0]) input = std::get<1>(outputs);
-    if (written[1]) target = std::get<2>(outputs);
+  // What the forward wrote: the reduction's outputs after the loss, where asked.
+  template <class Outputs>
+  void keep(const Outputs& outputs, Needs written) {
+    if (written[0]) grads[0] = std::get<1>(outputs);
+    if (written[1]) grads[1] = std::get<2>(outputs);
+    if constexpr (std::tuple_size_v<Outputs> > 3) {
+      if (written[2]) grads[2] = std::get<3>(outputs);
+    }
   }
 
-  bool cover(std::array<bool, 2> needs) const {
-    return (input.defined() || target.defined()) && (input.defined() || !needs[0]) &&
-           (target.defined() || !needs[1]);
+  bool cover(Needs needs) const {
+    bool any = false;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (needs[i] && !grads[i].defined()) return false;
+      any = any || grads[i].defined();
+    }
+    return any;
   }
 
-  Tensors2 take(std::array<bool, 2> needs, const at::Tensor& grad, int64_t slot) {
-    auto scaled = [&](at::Tensor fused, bool needed) {
-      if (!needed) return at::Tensor();
-      if (at::isTensorSubclassLike(fused)) return at::mul(fused, grad);  // traced: stay functional
+  Gradients take(Needs needs, const at::Tensor& grad, int64_t slot) {
+    Gradients out;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      at::Tensor fused = std::move(grads[i]);
+      if (!needs[i]) continue;
+      if (at::isTensorSubclassLike(fused)) {  // traced: stay functional
+        out[i] = at::mul(fused, grad);
+        continue;
+      }
       {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         call_scale_(fused, grad, slot);
       }
       torch::autograd::impl::bump_version(fused);
-      return fused;
-    };
-    at::Tensor grad_input = scaled(std::move(input), needs[0]);
-    return {grad_input, scaled(std::move(target), needs[1])};
+      out[i] = std::move(fused);
+    }
+    return out;
   }
 };
 
@@ -226,8 +243,10 @@ struct ReducedLossBackward : LossBackward {
     if (at::GradMode::is_enabled()) {
       std::tie(grad_input, grad_target) =
           call_loss_gradients(grad, input, target, loss_, param_, reduction_, autocast_);
-    } else if (fused_.cover(wanted)) {
-      std::tie(grad_input, grad_target) = fused_.take(wanted, grad, slot_);
+    } else if (fused_.cover({wanted[0], wanted[1], false})) {
+      Gradients fused = fused_.take({wanted[0], wanted[1], false}, grad, slot_);
+      grad_input = std::move(fused[0]);
+      grad_target = std::move(fused[1]);
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(grad_input, grad_target) =
@@ -239,12 +258,14 @@ struct ReducedLossBackward : LossBackward {
 
 OptionalTensor defined_or_none(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : c10::nullopt; }
 
-// The weighted reductions: ReducedLoss's plan with a weight and a scale, which
-// take no gradient here (weighted_loss_autograd refuses them; fusedloss.functional
-// computes that case with torch operations). create_graph=True goes through
-// ops.py's formulas.
+// The weighted reductions: ReducedLoss's plan with a weight, whose gradient per
+// element (scale times the element's loss) the kernels write beside the
+// operands', and a divisor, d out / d divisor = -out / divisor. A scale takes no
+// gradient here (weighted_loss_autograd refuses it; fusedloss.functional
+// computes that case with torch operations). create_graph=True, and a weight's
+// gradient wanted alone, go through ops.py's formulas.
 struct WeightedLossBackward : LossBackward {
-  SavedVariable weight_, scale_, divisor_;
+  SavedVariable weight_, scale_, divisor_, out_;
   double host_scale_ = 1.0;
   FusedGradients fused_;
 
@@ -256,35 +277,47 @@ struct WeightedLossBackward : LossBackward {
     weight_.reset_data();
     scale_.reset_data();
     divisor_.reset_data();
+    out_.reset_data();
     fused_ = FusedGradients();
   }
 
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& grad = grads[0];
-    if (!grad.defined()) return {at::Tensor(), at::Tensor()};
+    if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const at::Tensor input = input_.unpack();
     const at::Tensor target = target_.unpack();
-    const OptionalTensor weight = defined_or_none(weight_.unpack());
+    const at::Tensor weight_tensor = weight_.unpack();
+    const OptionalTensor weight = defined_or_none(weight_tensor);
     const OptionalTensor scale = defined_or_none(scale_.unpack());
-    const OptionalTensor divisor = defined_or_none(divisor_.unpack());
-    const auto wanted = needs();
-    at::Tensor grad_input, grad_target;
-    if (at::GradMode::is_enabled()) {
+    const at::Tensor divisor = divisor_.unpack();
+    const Needs wanted = {task_should_compute_output(0), task_should_compute_output(1),
+                          task_should_compute_output(2)};
+    Gradients g;
+    if (at::GradMode::is_enabled() || (wanted[2] && !wanted[0] && !wanted[1])) {
       static const auto op =
-          find_op<Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+          find_op<Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                            const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double, bool)>(
               "fusedloss::weighted_loss_gradients");
-      std::tie(grad_input, grad_target) =
-          op.call(grad, input, target, weight, scale, divisor, host_scale_, loss_, param_, autocast_);
+      std::tie(g[0], g[1], g[2]) = op.call(grad, input, target, weight, scale, defined_or_none(divisor), host_scale_,
+                                           loss_, param_, autocast_);
     } else if (fused_.cover(wanted)) {
-      std::tie(grad_input, grad_target) = fused_.take(wanted, grad, -1);
+      g = fused_.take(wanted, grad, -1);
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(grad_input, grad_target) = call_weighted_loss_backward(grad, input, target, weight, scale, divisor,
-                                                                      host_scale_, loss_, param_, wanted, autocast_);
+      std::tie(g[0], g[1], g[2]) = call_weighted_loss_backward(grad, input, target, weight, scale,
+                                                               defined_or_none(divisor), host_scale_, loss_, param_,
+                                                               wanted, autocast_);
     }
-    return operand_gradients(grad_input, grad_target, input, target, wanted);
+    variable_list out = operand_gradients(g[0], g[1], input, target, {wanted[0], wanted[1]});
+    out.push_back(wanted[2] ? summed_to(g[2], weight_tensor).to(weight_tensor.scalar_type()) : at::Tensor());
+    at::Tensor grad_divisor;
+    if (task_should_compute_output(3)) {
+      const at::ScalarType dtype = divisor.scalar_type();
+      grad_divisor = at::div(at::neg(at::mul(grad.to(dtype), out_.unpack(getptr()).to(dtype))), divisor);
+    }
+    out.push_back(grad_divisor);
+    return out;
   }
 };
 
@@ -324,35 +357,46 @@ Tensors3 reduced_loss_autograd(const at::Tensor& input, const at::Tensor& target
   node->save(input, target, loss, param, autocast);
   node->reduction_ = std::string(reduction);
   node->slot_ = slot;
-  node->fused_.keep(outputs, output_mask);
+  node->fused_.keep(outputs, {output_mask[0], output_mask[1], false});
   torch::autograd::set_history(std::get<0>(outputs), node);
   return outputs;
 }
 
-Tensors3 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
+Tensors4 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
                                 const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
-                                c10::string_view loss, double param, std::array<bool, 2> output_mask,
+                                c10::string_view loss, double param, std::array<bool, 3> output_mask,
                                 bool autocast) {
   check_no_tangents(input, target, "weighted_loss");
-  const auto requires_grad = [](const OptionalTensor& t) { return t.has_value() && t->requires_grad(); };
-  TORCH_CHECK(!at::GradMode::is_enabled() || !(requires_grad(weight) || requires_grad(scale) || requires_grad(divisor)),
-              "fusedloss::weighted_loss has no gradient for weight, scale or divisor; fusedloss's loss functions "
-              "compute those with torch operations");
-  Tensors3 outputs;
+  const at::Tensor weight_tensor = weight.value_or(at::Tensor());
+  const at::Tensor divisor_tensor = divisor.value_or(at::Tensor());
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(weight_tensor) && !torch::autograd::isFwGradDefined(divisor_tensor),
+              "fusedloss::weighted_loss has no forward-mode AD rule; fusedloss's loss functions compute dual "
+              "tensors through torch.nn.functional");
+  const bool grad_mode = at::GradMode::is_enabled();
+  TORCH_CHECK(!grad_mode || !(scale.has_value() && scale->requires_grad()),
+              "fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions compute it with "
+              "torch operations");
+  Tensors4 outputs;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     outputs = call_weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
                                  autocast);
   }
-  if (!wants_gradients(input, target)) return outputs;
+  const bool weight_grad = weight_tensor.defined() && weight_tensor.requires_grad();
+  const bool divisor_grad = divisor_tensor.defined() && divisor_tensor.requires_grad();
+  if (!grad_mode || !(input.requires_grad() || target.requires_grad() || weight_grad || divisor_grad)) {
+    return outputs;
+  }
   auto node = make_node<WeightedLossBackward>();
   node->save(input, target, loss, param, autocast);
-  node->weight_ = SavedVariable(weight.value_or(at::Tensor()), false);
+  node->set_next_edges(torch::autograd::collect_next_edges(input, target, weight_tensor, divisor_tensor));
+  node->weight_ = SavedVariable(weight_tensor, false);
   node->scale_ = SavedVariable(scale.value_or(at::Tensor()), false);
-  node->divisor_ = SavedVariable(divisor.value_or(at::Tensor()), false);
+  node->divisor_ = SavedVariable(divisor_tensor, false);
   node->host_scale_ = host_scale;
   node->fused_.keep(outputs, output_mask);
   torch::autograd::set_history(std::get<0>(outputs), node);
+  if (divisor_grad) node->out_ = SavedVariable(std::get<0>(outputs), true);
   return outputs;
 }
 

@@ -155,6 +155,10 @@ at::Tensor maybe_grad_buffer(bool wanted, const at::Tensor& like) {
   return wanted ? at::empty_like(like, at::MemoryFormat::Contiguous) : at::empty({0}, like.options());
 }
 
+at::Tensor maybe_grad_buffer(bool wanted, const at::TensorOptions& options, at::IntArrayRef shape) {
+  return wanted ? at::empty(shape, options) : at::empty({0}, options);
+}
+
 void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; }
 
 // Skips the dispatch of a conversion to the dtype a tensor has: this runs on every call.
@@ -371,29 +375,39 @@ WeightedProblem prepare_weighted(const at::Tensor& input, const at::Tensor& targ
   return w;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss(
+// The weight's gradient (the loss's dtype and shape; autograd sums it to the
+// weight's) is written only beside an operand's, as the kernels write it.
+at::Tensor maybe_weight_grad_buffer(std::array<bool, 3> output_mask, const WeightedProblem& w) {
+  TORCH_CHECK(!output_mask[2] || output_mask[0] || output_mask[1],
+              "fusedloss: weighted_loss writes the weight's gradient only with input's or target's");
+  return maybe_grad_buffer(output_mask[2], w.ops.input.options().dtype(w.ops.loss_dtype), w.ops.input.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weighted_loss(
     const at::Tensor& input, const at::Tensor& target, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& divisor, double host_scale,
-    c10::string_view loss, double param, std::array<bool, 2> output_mask, bool autocast) {
+    c10::string_view loss, double param, std::array<bool, 3> output_mask, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
   const at::Tensor& operand = w.ops.input;
   at::Tensor out = at::empty({}, operand.options().dtype(w.ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], operand);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  at::Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
   const int64_t partials = std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem));
   at::Tensor partial_sums = at::empty({partials}, operand.options().dtype(at::kDouble));
   C10_CUDA_CHECK(launch_weighted_reduced_loss(w.ops.problem, partial_sums.data_ptr<double>(),
-                                              data_or_null(grad_input), data_or_null(grad_target), out.data_ptr(),
+                                              data_or_null(grad_input), data_or_null(grad_target),
+                                              data_or_null(grad_weight), out.data_ptr(),
                                               c10::cuda::getCurrentCUDAStream()));
-  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+  return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
 
-std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
     const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss, double param,
-    std::array<bool, 2> output_mask, bool autocast) {
+    std::array<bool, 3> output_mask, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
@@ -401,9 +415,11 @@ std::tuple<at::Tensor, at::Tensor> weighted_loss_backward(
   const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.target);
+  at::Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
   C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(w.ops.problem, go.data_ptr(), data_or_null(grad_input),
-                                                       data_or_null(grad_target), c10::cuda::getCurrentCUDAStream()));
-  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+                                                       data_or_null(grad_target), data_or_null(grad_weight),
+                                                       c10::cuda::getCurrentCUDAStream()));
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
 #endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 

@@ -99,18 +99,22 @@ cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void*
 
 // A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
 // loss's dtype, and where the pointers are set the gradients (times weight and
-// scale) in the same pass. Each tile's sum goes to `partials`
-// (weighted_reduced_loss_partials doubles), which a second launch adds up in a
-// fixed order: the same bits on every run, with weights of either sign.
+// scale) in the same pass. `grad_weight` (the loss's dtype and size) gets
+// scale * loss(e), d out / d weight(e) for a fixed scale; it is written only
+// beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
+// sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
+// second launch adds up in a fixed order: the same bits on every run, with
+// weights of either sign.
 int64_t weighted_reduced_loss_partials(const LossProblem& problem);
 cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
-                                         void* grad_target, void* out, cudaStream_t stream);
+                                         void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 
 // Its backward for a one-element `grad_output` in the loss's dtype: the
 // forward's gradients times grad_output, recomputed, with the bits that scaling
 // those in place gives.
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
-                                                  void* grad_input, void* grad_target, cudaStream_t stream);
+                                                  void* grad_input, void* grad_target, void* grad_weight,
+                                                  cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).

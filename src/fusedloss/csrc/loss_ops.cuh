@@ -40,8 +40,11 @@ __device__ __forceinline__ double load_as_double(const void* p, DType dtype) {
 
 // How a reduction weighs its elements, fixed at compile time: Unweighted (the
 // plain losses: nothing to load, nothing multiplied, the code of a loss with no
-// weight) or Weighted (an ElementWeight and a DeviceScale, read on the device).
+// weight) or Weighted (an ElementWeight and a DeviceScale, read on the device,
+// and where `grad` is set, d loss / d weight per element written beside the
+// operands' gradients).
 struct Unweighted {
+  static constexpr bool kHasGradient = false;
   template <int kVec>
   static constexpr int kBlocksPerSmFor = fusedloss::kBlocksPerSm;
   template <int W, typename T>
@@ -70,9 +73,13 @@ struct Weighted {
     alignas(16) Stored w[W];
   };
 
+  static constexpr bool kHasGradient = true;
+  __device__ __forceinline__ bool writes_gradient() const { return grad != nullptr; }
+
   const Stored* __restrict__ weight;
   ElementWeight layout;
   DeviceScale scale;
+  void* grad;  // the loss's dtype, the loss's shape; null: not written
 
   __device__ __forceinline__ double factor() const {
     double f = scale.host;
@@ -254,6 +261,9 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
 
   static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
+  using typename Base::Out;
+  // The weight's gradient goes with the operands' (a pass that writes none keeps its registers).
+  static constexpr bool kWritesWeightGradient = Weights::kHasGradient && kGrads != Grads::kNone;
   T grad_scale;
   double sum;
   Weights weights;
@@ -273,16 +283,22 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     T chunk_sum = 0;
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
+    alignas(16) Out gw[kWritesWeightGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      chunk_sum += Weights::times(c.weight, k, this->value(c.input[k], c.target[k]));
+      const T value = this->value(c.input[k], c.target[k]);
+      chunk_sum += Weights::times(c.weight, k, value);
       const T factor = Weights::times(c.weight, k, grad_scale);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
+      if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(value * grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
     if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (kWritesWeightGradient) {
+      if (weights.writes_gradient()) store_chunk(static_cast<Out*>(weights.grad), first, gw);
+    }
   }
 };
 
@@ -381,6 +397,7 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     const T go = to_opmath(*grad_output);
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
+    alignas(16) Out gw[Weights::kHasGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T factor = Weights::times(c.weight, k, grad_scale);
@@ -390,9 +407,17 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
         gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], factor), go);
       }
+      if constexpr (Weights::kHasGradient) {
+        if (weights.writes_gradient()) {
+          gw[k] = rounded_product(Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale), go);
+        }
+      }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
     if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) store_chunk(this->grad_target, first, gt);
+    if constexpr (Weights::kHasGradient) {
+      if (weights.writes_gradient()) store_chunk(static_cast<Out*>(weights.grad), first, gw);
+    }
   }
 };
 

@@ -4,10 +4,10 @@
 namespace fusedloss {
 
 extern template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
-                                                                cudaStream_t);
+                                                                void*, cudaStream_t);
 extern template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*,
-                                                                         void*, cudaStream_t);
-template cudaError_t launch_weighted_pass<Grads::kNone>(const LossProblem&, double*, void*, void*, void*,
+                                                                         void*, void*, cudaStream_t);
+template cudaError_t launch_weighted_pass<Grads::kNone>(const LossProblem&, double*, void*, void*, void*, void*,
                                                         cudaStream_t);
 
 int64_t weighted_reduced_loss_partials(const LossProblem& p) {
@@ -21,12 +21,16 @@ int64_t weighted_reduced_loss_partials(const LossProblem& p) {
 }
 
 cudaError_t launch_weighted_reduced_loss(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                         void* out, cudaStream_t stream) {
+                                         void* grad_weight, void* out, cudaStream_t stream) {
   if (grad_target != nullptr) {
-    return launch_weighted_pass<Grads::kInputAndTarget>(p, partials, grad_input, grad_target, out, stream);
+    return launch_weighted_pass<Grads::kInputAndTarget>(p, partials, grad_input, grad_target, grad_weight, out,
+                                                        stream);
   }
-  if (grad_input != nullptr) return launch_weighted_pass<Grads::kInput>(p, partials, grad_input, nullptr, out, stream);
-  return launch_weighted_pass<Grads::kNone>(p, partials, nullptr, nullptr, out, stream);
+  if (grad_input != nullptr) {
+    return launch_weighted_pass<Grads::kInput>(p, partials, grad_input, nullptr, grad_weight, out, stream);
+  }
+  if (grad_weight != nullptr) return cudaErrorInvalidValue;  // it goes with an operand's gradient
+  return launch_weighted_pass<Grads::kNone>(p, partials, nullptr, nullptr, nullptr, out, stream);
 }
 
 }  // namespace fusedloss

@@ -5,6 +5,6 @@
 namespace fusedloss {
 
 template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*, void*,
-                                                                  cudaStream_t);
+                                                                  void*, cudaStream_t);
 
 }  // namespace fusedloss

@@ -3,7 +3,7 @@
 
 namespace fusedloss {
 
-template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
+template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*, void*,
                                                          cudaStream_t);
 
 }  // namespace fusedloss

@@ -15,29 +15,31 @@ template <class Loss, typename In, typename Tgt, Grads kGrads>
 using WeightedReducedLossBackwardOp = ReducedLossBackwardOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
 
 template <class Op>
-void set_weights(Op& op, const LossProblem& p) {
+void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
   using Stored = typename decltype(op.weights)::Stored;
   op.weights.weight = static_cast<const Stored*>(p.weight.weight);
   op.weights.layout = p.weight;
   op.weights.scale = p.scale;
+  op.weights.grad = grad_weight;
 }
 
 // The pass that sums each tile into `partials` and writes the gradients kGrads
-// names, then the launch that adds the partials up into `out`.
+// names (and the weight's, with either), then the launch that adds the partials
+// up into `out`.
 template <Grads kGrads>
 cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                 void* out, cudaStream_t stream);
+                                 void* grad_weight, void* out, cudaStream_t stream);
 
 template <Grads kGrads>
 cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                 void* out, cudaStream_t stream) {
+                                 void* grad_weight, void* out, cudaStream_t stream) {
   return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     Op op = make_op<Op>(p);
-    set_weights(op, p);
+    set_weights(op, p, grad_weight);
     if (tiles > 0) {
       op.grad_input = static_cast<In*>(grad_input);
       op.grad_target = static_cast<Tgt*>(grad_target);
