@@ -47,6 +47,15 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
    read input + read target + write grad_input.
      user:  (F.mse_loss(p.float(), t.float(), reduction="none") * mask).mean()
      fused: fusedloss.mse_loss(p, t, weight=mask, reduction="sum", scale=1 / p.numel())
+6. A learned weight (it requires grad; the step also resets and writes its gradient), at
+   (32, 16, 256, 256) = 2^25 elements: a float32 weight per channel (1, C, 1, 1) for bfloat16
+   operands, and a float32 weight of the loss's own size for float32 operands (PyTorch's own
+   weighted mean, torch >= 2.6).
+   read input + read target + write grad_input + write the weight's gradient per element in
+   the loss's dtype (float32) + read it to sum it per channel (the per-channel row).
+     user:  (F.mse_loss(p, t, reduction="none") * w).mean(), or F.mse_loss(p, t, weight=w)
+     fused: fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel()), or
+            fusedloss.mse_loss(p, t, weight=w)
 
 Each row also checks fusedloss and compile against eager: the loss (relative difference) and
 d loss / d input (norm of the difference over the norm of eager's), flagged MISMATCH beyond
@@ -85,6 +94,7 @@ PSEUDO_HUBER_SHAPE = (64, 4, 1024, 1024)
 PSEUDO_HUBER_C = 0.1
 PSEUDO_HUBER_TENSOR_C_SHAPE = (64, 4, 128, 128)
 SPATIAL_MASK_SHAPE = (32, 16, 256, 256)
+LEARNED_WEIGHT_SHAPE = (32, 16, 256, 256)
 SECTIONS = {
     "graphcast": "1. Weighted MSE, weight (1, C, H, 1) = per variable x cos(lat) per row (GraphCast): "
                  "user (F.mse_loss(p, t, reduction='none') * w).mean(); "
@@ -102,6 +112,11 @@ SECTIONS = {
     "spatial": "5. Spatially masked diffusion MSE, bf16 latents, float32 0/1 mask (B, 1, H, W): "
                "user (F.mse_loss(p.float(), t.float(), reduction='none') * mask).mean(); "
                "fused mse_loss(p, t, weight=mask, reduction='sum', scale=1 / p.numel())",
+    "learned": "6. A learned float32 weight (requires grad): per channel (1, C, 1, 1), bf16 operands, user "
+               "(F.mse_loss(p, t, reduction='none') * w).mean(), fused mse_loss(p, t, weight=w, reduction='sum', "
+               "scale=1 / p.numel()); of the loss's size, fp32, user F.mse_loss(p, t, weight=w), fused "
+               "mse_loss(p, t, weight=w). GB adds the weight's gradient: written per element (float32), and read "
+               "to sum it per channel",
 }
 CSV_FIELDS = ["section", "row", "dtype", "shape", "numel", "system", "device_ms", "wall_us",
               "fused_over_this_device", "fused_over_this_wall", "fused_step_bytes", "tbs", "copy_tbs", "pct_copy",
@@ -109,9 +124,10 @@ CSV_FIELDS = ["section", "row", "dtype", "shape", "numel", "system", "device_ms"
 Loss = Callable[[], Tensor]
 
 
-def _step(p: Tensor, loss: Loss) -> Callable[[], None]:
+def _step(leaves: tuple[Tensor, ...], loss: Loss) -> Callable[[], None]:
     def run() -> None:
-        p.grad = None  # as zero_grad(set_to_none=True)
+        for leaf in leaves:
+            leaf.grad = None  # as zero_grad(set_to_none=True)
         loss().backward()
     return run
 
@@ -147,11 +163,15 @@ def _check(p: Tensor, losses: dict[str, Loss], log: Callable[[str], None], label
 
 
 def measure(section: str, label: str, p: Tensor, t: Tensor, losses: dict[str, Loss], *, wall: bool = False,
-            reps: int = 20, log: Callable[[str], None] = print) -> dict:
-    """Device time (and with `wall`, host wall time) of a step of each system on the leaf `p`."""
+            reps: int = 20, log: Callable[[str], None] = print, learned: Tensor | None = None,
+            extra_bytes: int = 0) -> dict:
+    """Device time (and with `wall`, host wall time) of a step of each system on the leaf `p`
+    (and the `learned` weight, whose gradient each step resets too; `extra_bytes` counts
+    what its gradient moves)."""
     p.requires_grad_(True)
     live, values, grad_diffs, errors = _check(p, losses, log, label)
-    steps = {name: _step(p, loss) for name, loss in live.items()}
+    leaves = (p,) if learned is None else (p, learned)
+    steps = {name: _step(leaves, loss) for name, loss in live.items()}
     copy, copy_bytes = device_copy()
     ms = time_side_by_side({**steps, "copy": copy}, reps)
     del copy
@@ -160,15 +180,17 @@ def measure(section: str, label: str, p: Tensor, t: Tensor, losses: dict[str, Lo
     walls = wall_us(steps, reps=9, min_s=0.05, warmup_s=0.5) if wall and steps else {}
     peaks = {}
     for name, run in steps.items():
-        p.grad = None  # the step's own gradient counts towards its peak
+        for leaf in leaves:
+            leaf.grad = None  # the step's own gradient counts towards its peak
         peaks[name] = peak_memory_gib(run)
-    p.grad = None
+    for leaf in leaves:
+        leaf.grad = None
     reference = values.get("eager")
     loss_diffs = {name: abs(value.double().item() / reference.double().item() - 1)
                   for name, value in values.items() if reference is not None and name != "eager"}
     return {
         "section": section, "label": label, "dtype": _dtype_name(p.dtype), "shape": tuple(p.shape), "numel": p.numel(),
-        "bytes": p.numel() * (2 * p.element_size() + t.element_size()),
+        "bytes": p.numel() * (2 * p.element_size() + t.element_size()) + extra_bytes,
         "ms": {name: ms.get(name, math.nan) for name in SYSTEMS}, "copy_tbs": copy_bytes / ms["copy"] / 1e9,
         "wall_us": {name: walls.get(name, math.nan) for name in SYSTEMS}, "wall": wall,
         "peak_gib": {name: peaks.get(name, math.nan) for name in SYSTEMS},
@@ -283,6 +305,33 @@ def spatial_mask_row(dtype: torch.dtype = torch.bfloat16, shape: tuple[int, ...]
     return measure("spatial", f"mse, mask (B,1,H,W), {shape}", p, t, losses, reps=10, log=log)
 
 
+def learned_weight_row(dtype: torch.dtype, shape: tuple[int, ...] = LEARNED_WEIGHT_SHAPE,
+                       log: Callable = print) -> dict:
+    """bfloat16: a per-channel weight; float32: a weight of the loss's own size."""
+    torch.manual_seed(0)
+    p, t = seed_inputs(shape, dtype, "cuda")
+    per_channel = dtype != torch.float32
+    w_shape = (1, shape[1], 1, 1) if per_channel else shape
+    w = (torch.rand(w_shape, device="cuda") + 0.5).requires_grad_()
+    if per_channel:
+        def user(p: Tensor, t: Tensor, w: Tensor) -> Tensor:
+            return (F.mse_loss(p, t, reduction="none") * w).mean()
+
+        def fused() -> Tensor:
+            return fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel())
+        extra, label = p.numel() * 4 * 2, f"mse, learned w (1,C,1,1), {shape}"
+    else:
+        def user(p: Tensor, t: Tensor, w: Tensor) -> Tensor:
+            return F.mse_loss(p, t, weight=w)
+
+        def fused() -> Tensor:
+            return fusedloss.mse_loss(p, t, weight=w)
+        extra, label = p.numel() * 4, f"mse, learned w of its size, {shape}"
+    compiled = _fresh_compile(user)
+    losses = {"fused": fused, "eager": lambda: user(p, t, w), "compile": lambda: compiled(p, t, w)}
+    return measure("learned", label, p, t, losses, reps=10, log=log, learned=w, extra_bytes=extra)
+
+
 def jobs(log: Callable[[str], None] = print) -> list[tuple[str, Callable[[], dict]]]:
     """(section, row) in the order they run; each row allocates its tensors and frees them on return."""
     return ([("graphcast", functools.partial(graphcast_row, dtype, log=log)) for dtype in DTYPES]
@@ -291,7 +340,9 @@ def jobs(log: Callable[[str], None] = print) -> list[tuple[str, Callable[[], dic
             + [("diffusion", functools.partial(diffusion_row, batch, log=log)) for batch in DIFFUSION_BATCHES]
             + [("pseudo_huber", functools.partial(pseudo_huber_row, dtype, log=log)) for dtype in DTYPES]
             + [("pseudo_huber", functools.partial(pseudo_huber_tensor_c_row, log=log))]
-            + [("spatial", functools.partial(spatial_mask_row, log=log))])
+            + [("spatial", functools.partial(spatial_mask_row, log=log))]
+            + [("learned", functools.partial(learned_weight_row, dtype, log=log)) for dtype in (torch.bfloat16,
+                                                                                                  torch.float32)])
 
 
 # ---- output --------------------------------------------------------------------------------
