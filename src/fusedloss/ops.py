@@ -165,12 +165,16 @@ def _reduced_loss_backward_fake(
     return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
 
 
+def _check_weighted_mask(output_mask: Sequence[bool]) -> None:
+    if output_mask[2] and not (output_mask[0] or output_mask[1]):
+        raise RuntimeError("fusedloss: weighted_loss writes the weight's gradient only with input's or target's")
+
+
 def _weighted_grad_buffers(input: Tensor, target: Tensor, loss: str, output_mask: Sequence[bool],
                            autocast: bool) -> tuple[Tensor, Tensor, Tensor]:
     """weighted_loss's gradient outputs: the operands' dtypes, and the loss's for the weight's."""
+    _check_weighted_mask(output_mask)
     shape = torch.broadcast_shapes(input.shape, target.shape)
-    if output_mask[2] and not (output_mask[0] or output_mask[1]):
-        raise RuntimeError("fusedloss: weighted_loss writes the weight's gradient only with input's or target's")
     loss_like = input.new_empty((0,), dtype=_loss_dtype(input, target, loss, autocast))
     return (_grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape),
             _grad_buffer(output_mask[2], loss_like, shape))
@@ -302,7 +306,7 @@ def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _weighted_grad_buffers(input, target, loss, output_mask, autocast)  # its checks
+    _check_weighted_mask(output_mask)
     out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast)
     gradients = weighted_gradients(1.0, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
     return (out, *_masked(gradients, output_mask))
@@ -314,7 +318,7 @@ def _weighted_loss_backward_cpu(
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
     autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _weighted_grad_buffers(input, target, loss, output_mask, autocast)
+    _check_weighted_mask(output_mask)
     gradients = weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale, loss, param,
                                    autocast)
     return _masked(gradients, output_mask)
