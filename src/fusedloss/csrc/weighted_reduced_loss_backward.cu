@@ -1,21 +1,25 @@
-// launch_weighted_reduced_loss_backward (weighted_reduction.cuh).
+// launch_weighted_reduced_loss_backward, and backward's pass that writes d loss /
+// d target, and d loss / d input where its pointer is set (weighted_reduction.cuh).
 #include "weighted_reduction.cuh"
 
 namespace fusedloss {
 
+extern template cudaError_t launch_weighted_backward_pass<Grads::kInput>(const LossProblem&, const void*, void*,
+                                                                         void*, void*, cudaStream_t);
+template cudaError_t launch_weighted_backward_pass<Grads::kInputAndTarget>(const LossProblem&, const void*, void*,
+                                                                           void*, void*, cudaStream_t);
+
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& p, const void* grad_output, void* grad_input,
                                                   void* grad_target, void* grad_weight, cudaStream_t stream) {
-  if (grad_weight != nullptr && grad_input == nullptr && grad_target == nullptr) {
-    return cudaErrorInvalidValue;  // it goes with an operand's gradient
+  if (grad_target != nullptr) {
+    return launch_weighted_backward_pass<Grads::kInputAndTarget>(p, grad_output, grad_input, grad_target,
+                                                                 grad_weight, stream);
   }
-  return with_gradient_op<WeightedReducedLossBackwardOp, true>(p, grad_input, grad_target,
-                                                                [&](auto op, int64_t tiles) {
-    using Op = decltype(op);
-    set_weights(op, p, grad_weight);
-    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-    reduced_loss_backward_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, nullptr);
-    return cudaGetLastError();
-  });
+  if (grad_input != nullptr) {
+    return launch_weighted_backward_pass<Grads::kInput>(p, grad_output, grad_input, nullptr, grad_weight, stream);
+  }
+  // The weight's gradient goes with an operand's; nothing asked for is nothing to do.
+  return grad_weight != nullptr ? cudaErrorInvalidValue : cudaSuccess;
 }
 
 }  // namespace fusedloss

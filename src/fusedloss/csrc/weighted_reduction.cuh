@@ -1,6 +1,7 @@
 // The weighted reductions (launch.h): the plain reductions' ops with a
-// Weighted policy. The pass for each Grads is instantiated in its own
-// translation unit (weighted_reduced_loss*.cu), so that they compile in parallel.
+// Weighted policy. The forward's pass and backward's for each Grads are
+// instantiated in translation units of their own (weighted_reduced_loss*.cu),
+// so that they compile in parallel.
 #pragma once
 
 #include "dispatch.cuh"
@@ -50,6 +51,31 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
     using Out = typename Op::Out;
     finish_weighted_reduction_kernel<Out><<<1, kBlockThreads, 0, stream>>>(partials, tiles, op.weights,
                                                                            static_cast<Out*>(out));
+    return cudaGetLastError();
+  });
+}
+
+// Backward's pass for a one-element grad_output: the gradients kGrads names (and
+// the weight's, with either), recomputed.
+template <Grads kGrads>
+cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad_output, void* grad_input,
+                                          void* grad_target, void* grad_weight, cudaStream_t stream);
+
+template <Grads kGrads>
+cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad_output, void* grad_input,
+                                          void* grad_target, void* grad_weight, cudaStream_t stream) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+    using In = decltype(in);
+    using Tgt = decltype(tgt);
+    using Op = WeightedReducedLossBackwardOp<decltype(loss), In, Tgt, kGrads>;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles == 0) return cudaSuccess;
+    Op op = make_op<Op>(p);
+    op.grad_input = static_cast<In*>(grad_input);
+    op.grad_target = static_cast<Tgt*>(grad_target);
+    set_weights(op, p, grad_weight);
+    op.grad_output = static_cast<const typename Op::Out*>(grad_output);
+    reduced_loss_backward_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, nullptr);
     return cudaGetLastError();
   });
 }
