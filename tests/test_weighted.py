@@ -944,21 +944,24 @@ def test_cuda_compiled_weighted_step_matches_eager(cuda, name):
 
 
 @requires_cuda
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["fixed-weight", "learned-weight"])
 @pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["gradient-in-forward", "gradient-in-backward"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("name", NAMES)
-def test_cuda_graph_replay_reads_the_new_scale(cuda, name, reduction, threshold, monkeypatch):
+def test_cuda_graph_replay_reads_the_new_scale(cuda, name, reduction, threshold, weight_grad, monkeypatch):
+    """A captured step replays with the scale and operands it finds, the weight's own
+    gradient too where the weight requires grad."""
     monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
     for shape in ((3, 4099), (3, (1 << 20) + 3)):
         x, y = operands(shape, cuda)
-        weight = make_weight("positive", cuda, shape=(3, 1))
+        weight = make_weight("positive", cuda, shape=(3, 1), requires_grad=weight_grad)
         scale = torch.tensor(0.5, device=cuda)
 
         def step():
-            x.grad = y.grad = None
+            x.grad = y.grad = weight.grad = None
             out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
             out.sum().backward()
-            return out, x.grad, y.grad
+            return out, x.grad, y.grad, weight.grad
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -979,22 +982,30 @@ def test_cuda_graph_replay_reads_the_new_scale(cuda, name, reduction, threshold,
             expected = reference64(name, x64, y64, reduction, weight, value)
             msg = f"{shape}, scale {value}"
             assert_close64(static[0], expected, msg=msg)
-            for g, e in zip(static[1:], torch.autograd.grad(expected.sum(), (x64, y64))):
+            for g, e in zip(static[1:3], torch.autograd.grad(expected.sum(), (x64, y64))):
                 assert_gradient_close64(g, e, msg=msg)
+            if weight_grad:
+                want = reference_gradients(name, reduction, dict(input=x, target=y, weight=weight, scale=value),
+                                           torch.ones_like(expected))["weight"]
+                assert_gradient_close64(static[3], want[0], bound=want[1], msg=f"{msg}, weight")
 
 
 @requires_cuda
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_weighted_step_has_no_host_sync(cuda, name, reduction):
+    """No step syncs: fixed weights, a mask, and a learned weight (its gradient, and a
+    weighted mean's divisor's part)."""
     cases = []
     for shape in ((3, 4099), (3, (1 << 20) + 3)):
         x, y = operands(shape, cuda)
         cases.append((x, y, make_weight("positive", cuda, shape=(3, 1)), torch.tensor(0.5, device=cuda)))
     cases.append((*operands(SHAPE, cuda), make_weight("mask", cuda), torch.tensor(2.0, device=cuda)))
+    for shape in ((3, 4099), (3, (1 << 20) + 3)):
+        cases.append((*operands(shape, cuda), make_weight("positive", cuda, shape=(3, 1), requires_grad=True), None))
 
     def step(x, y, w, s):
-        x.grad = y.grad = None
+        x.grad = y.grad = w.grad = None
         weighted_loss(name, x, y, reduction, weight=w, scale=s).sum().backward()
 
     for case in cases:  # warm-up: kernels loaded, notes allocated
