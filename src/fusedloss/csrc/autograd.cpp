@@ -243,8 +243,8 @@ struct ReducedLossBackward : LossBackward {
     if (at::GradMode::is_enabled()) {
       std::tie(grad_input, grad_target) =
           call_loss_gradients(grad, input, target, loss_, param_, reduction_, autocast_);
-    } else if (fused_.cover({wanted[0], wanted[1], false})) {
-      Gradients fused = fused_.take({wanted[0], wanted[1], false}, grad, slot_);
+    } else if (const Needs operands{wanted[0], wanted[1], false}; fused_.cover(operands)) {
+      Gradients fused = fused_.take(operands, grad, slot_);
       grad_input = std::move(fused[0]);
       grad_target = std::move(fused[1]);
     } else {
