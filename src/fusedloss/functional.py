@@ -107,7 +107,8 @@ class _PseudoHuberWithTensorC(torch.autograd.Function):
     """Pseudo-Huber for a tensor c (eager, outside torch.func), with its derivatives written
     out: 2c d / root for the operands and 2 (root - c)^2 / root for c. Autograd through the
     formula would take about twice as many passes over N, as a user's own formula does.
-    A double backward differentiates the formula itself."""
+    A mean's 1 / N rides on the factor 2c, which backward reuses: a small step is bound by
+    its launches. A double backward differentiates the formula itself."""
 
     @staticmethod
     def forward(ctx, input: Tensor, target: Tensor, c: Tensor, reduction: str) -> Tensor:
@@ -119,16 +120,20 @@ class _PseudoHuberWithTensorC(torch.autograd.Function):
         # root - c as d^2 / (root + c), without cancellation for |d| << c; the bound keeps
         # an infinite d's loss infinite rather than inf / inf.
         near = x.square() / _bounded(root).add_(c_math)
-        ctx.save_for_backward(input, target, c, x, root, near if ctx.needs_input_grad[2] else None)
-        ctx.reduction, ctx.numel = reduction, root.numel()
-        loss = near * (c_math + c_math) if ctx.needs_input_grad[2] else near.mul_(c_math + c_math)
+        # A mean as the sum of 2c / N times near (an empty mean stays 0 / 0 = NaN).
+        numel = root.numel()
+        ctx.per_element = 2 / numel if reduction == "mean" and numel else 2.0
+        factor = c_math * ctx.per_element
+        ctx.save_for_backward(input, target, c, x, root, factor, near if ctx.needs_input_grad[2] else None)
+        ctx.reduction = reduction
+        loss = near * factor if ctx.needs_input_grad[2] else near.mul_(factor)
         if reduction == "none":
             return loss.to(dtype)
-        return (loss.sum() if reduction == "sum" else loss.mean()).to(dtype)
+        return (loss.mean() if reduction == "mean" and not numel else loss.sum()).to(dtype)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        input, target, c, x, root, near = ctx.saved_tensors
+        input, target, c, x, root, factor, near = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph: the formula's derivatives, differentiable again
             with torch.enable_grad():
@@ -136,17 +141,15 @@ class _PseudoHuberWithTensorC(torch.autograd.Function):
             grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, c), wanted) if w], grad_output,
                                              create_graph=True))
             return tuple(next(grads) if w else None for w in wanted) + (None,)
-        times = grad_output.to(root.dtype)  # the forward's math: a float64 c widens it
-        if ctx.reduction == "mean":
-            times = times / ctx.numel
-        twice_c = c.to(root.dtype) * 2
-        slope = x.div(root).mul_(twice_c * times) if wanted[0] or wanted[1] else None
+        # factor has the forward's math dtype (a float64 c widens it), which promotion keeps
+        slope = x.div(root).mul_(factor * grad_output) if wanted[0] or wanted[1] else None
         grad_input = slope.to(input.dtype).sum_to_size(input.shape) if wanted[0] else None
         grad_target = slope.neg().to(target.dtype).sum_to_size(target.shape) if wanted[1] else None
         grad_c = None
         if wanted[2]:
             # 2 (root - c)^2 / root, written so that an infinite d gives inf, not inf / inf
-            grad_c = near.div(_bounded(root)).mul_(near).mul_(times * 2).sum_to_size(c.shape).to(c.dtype)
+            times = grad_output.to(root.dtype) * ctx.per_element
+            grad_c = near.div(_bounded(root)).mul_(near).mul_(times).sum_to_size(c.shape).to(c.dtype)
         return grad_input, grad_target, grad_c, None
 
 
