@@ -60,12 +60,12 @@ def main() -> None:
         cases += 1
     for (name, (fn, kwargs)), n, autocast in itertools.product(LOSSES.items(), SIZES, (False, True)):
         pairs = AUTOCAST_PAIRS if autocast else DTYPE_PAIRS[:1]
-        for (in_dtype, tgt_dtype), reduction in itertools.product(pairs, ("mean", "sum")):
+        for (in_dtype, tgt_dtype), reduction in itertools.product(pairs, ("mean", "sum", "none")):
             input, target = operand(n, in_dtype, 0), operand(n, tgt_dtype, 0)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 with torch.no_grad():
                     fn(input, target, reduction=reduction, **kwargs)
-                (fn(input, target, reduction=reduction, **kwargs) * 0.5).backward()
+                (fn(input, target, reduction=reduction, **kwargs) * 0.5).sum().backward()
             cases += 1
     # Each loss with each weight layout, the dtype pairs, scales and offsets taken in turn.
     for i, ((name, (fn, kwargs)), weight_shape) in enumerate(itertools.product(LOSSES.items(), WEIGHT_SHAPES)):

@@ -2,8 +2,8 @@
 
 The fused operators have no functorch or forward-AD rules: under a transform
 fusedloss runs PyTorch's formula (never dropping a tangent or a batch
-dimension). Under CUDA autocast it casts 16-bit operands to float32, as
-autocast does for these losses.
+dimension). Under CUDA autocast it computes in float32 from 16-bit operands,
+as autocast does for these losses, reading them as they are.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from fusedloss import functional
+from fusedloss import build, functional
 
 from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
 
@@ -120,6 +120,30 @@ def test_autocast_matches_torch(name, reduction, input_dtype, target_dtype, auto
     tolerance = {} if grad_a.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(grad_a, expected_a, **tolerance)
     torch.testing.assert_close(grad_b, expected_b, **tolerance)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_reads_16_bit_operands_without_float32_copies(name, reduction, dtype):
+    """A step under autocast allocates its results (a float32 loss, the 16-bit gradient)
+    and no float32 copy of an operand, which would take 4 bytes an element."""
+    build.load()  # the kernels, not the fallback to torch.nn.functional, which copies
+    ours, _ = _fns(name)
+    n = (1 << 22) + 5
+    x = heavy_tailed((n,), device="cuda").to(dtype).requires_grad_()
+    y = heavy_tailed((n,), device="cuda").to(dtype)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=dtype):
+        out = ours(x, y, reduction)
+    assert out.dtype == torch.float32
+    (out.sum() if reduction == "none" else out).backward()
+    peak = torch.cuda.max_memory_allocated() - before
+    results = 2 * n + (4 * n if reduction == "none" else 0)  # the gradient, and the loss per element
+    assert peak < results + 2 * n, f"peak {peak} bytes against {results} for the results"
 
 
 @requires_cuda

@@ -16,8 +16,8 @@ from torch.utils.cpp_extension import load_inline
 # these files may already have defined them.
 NAMESPACE = "fusedloss_kernelbench"
 OP_SCHEMAS = {
-    "pointwise_loss": "(Tensor input, Tensor target, str loss, float param) -> Tensor",
-    "pointwise_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, bool[2] output_mask) -> (Tensor, Tensor)",
+    "pointwise_loss": "(Tensor input, Tensor target, str loss, float param, bool autocast=False) -> Tensor",
+    "pointwise_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)",
     "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)",
     "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)",
     "scale_": "(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()",
@@ -512,9 +512,9 @@ int32_t* history_slot(int64_t slot) {
 }
 
 at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
-                          double param) {
+                          double param, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.loss_dtype));
   C10_CUDA_CHECK(launch_pointwise_loss(ops.problem, out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
   return out;
@@ -524,9 +524,9 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
                                                            const at::Tensor& input,
                                                            const at::Tensor& target,
                                                            c10::string_view loss, double param,
-                                                           std::array<bool, 2> output_mask) {
+                                                           std::array<bool, 2> output_mask, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
               ", expected ", input.device());
   // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
@@ -2139,7 +2139,7 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_ke
 namespace fusedloss {
 
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
-  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using Op = PointwiseLossOp<decltype(loss), decltype(in), decltype(tgt)>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     if (tiles == 0) return cudaSuccess;
@@ -2160,7 +2160,7 @@ namespace fusedloss {
 cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
                                            bool grad_output_is_scalar, void* grad_input, void* grad_target,
                                            cudaStream_t stream) {
-  return with_gradient_op<PointwiseLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
+  return with_gradient_op<PointwiseLossBackwardOp, true>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
     using Op = decltype(op);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
     op.grad_output_is_scalar = grad_output_is_scalar;

@@ -244,9 +244,7 @@ def _fused_loss(
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
     autocast = _under_autocast(input, target)
     if mode == "none":
-        if autocast:
-            input, target = ops.as_autocast_would(input), ops.as_autocast_would(target)
-        return _pointwise_loss(input, target, loss, param)
+        return _pointwise_loss(input, target, loss, param, autocast)
     output_mask, slot = _NO_GRADIENTS, -1
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)

@@ -38,7 +38,7 @@ broadcast shape and autograd sums them to each operand's own shape.
 - ``loss_gradients``: the same gradients as a composite of torch operations,
   which autograd can differentiate again (``create_graph=True``).
 
-With ``autocast``, the reductions compute what CUDA autocast computes: 16-bit
+With ``autocast``, the losses compute what CUDA autocast computes: 16-bit
 operands as float32 (these losses are on its float32 list), a float32 loss,
 and gradients in the operands' own dtypes. On CUDA the kernels read the
 16-bit operands as they are.
@@ -57,10 +57,10 @@ from torch import Tensor
 from . import build, formulas
 
 _lib = torch.library.Library("fusedloss", "DEF")
-_lib.define("pointwise_loss(Tensor input, Tensor target, str loss, float param) -> Tensor")
+_lib.define("pointwise_loss(Tensor input, Tensor target, str loss, float param, bool autocast=False) -> Tensor")
 _lib.define(
     "pointwise_loss_backward(Tensor grad_output, Tensor input, Tensor target, str loss, float param, "
-    "bool[2] output_mask) -> (Tensor, Tensor)"
+    "bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)"
 )
 _lib.define(
     "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, "
@@ -129,15 +129,16 @@ def _load_kernels_for(device: torch.device) -> None:
 
 
 @torch.library.register_fake("fusedloss::pointwise_loss")
-def _pointwise_loss_fake(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
+def _pointwise_loss_fake(input: Tensor, target: Tensor, loss: str, param: float, autocast: bool = False) -> Tensor:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
-    return input.new_empty(shape, dtype=formulas.loss_dtype(input.dtype, target.dtype, loss))
+    return input.new_empty(shape, dtype=_loss_dtype(input, target, loss, autocast))
 
 
 @torch.library.register_fake("fusedloss::pointwise_loss_backward")
 def _pointwise_loss_backward_fake(
-    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool]
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool],
+    autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
@@ -209,8 +210,8 @@ def _scale_fake(self: Tensor, scale: Tensor, history_slot: int = -1) -> None:
 
 
 @torch.library.impl(_lib, "pointwise_loss", "CPU")
-def _pointwise_loss_cpu(input: Tensor, target: Tensor, loss: str, param: float) -> Tensor:
-    return formulas.torch_loss(input, target, loss, param, "none")
+def _pointwise_loss_cpu(input: Tensor, target: Tensor, loss: str, param: float, autocast: bool = False) -> Tensor:
+    return formulas.torch_loss(*as_computed(input, target, autocast), loss, param, "none")
 
 
 def _gradients_cpu(
@@ -225,9 +226,10 @@ def _gradients_cpu(
 
 @torch.library.impl(_lib, "pointwise_loss_backward", "CPU")
 def _pointwise_loss_backward_cpu(
-    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool]
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool],
+    autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    return _gradients_cpu(grad_output, input, target, loss, param, output_mask)
+    return _gradients_cpu(grad_output, input, target, loss, param, output_mask, autocast)
 
 
 def _reduction_scale(reduction: str, input: Tensor, target: Tensor) -> float:
@@ -357,7 +359,7 @@ def _loss_gradients_composite(
 
 
 def _pointwise_setup_context(ctx, inputs, output) -> None:
-    input, target, ctx.loss, ctx.param = inputs
+    input, target, ctx.loss, ctx.param, ctx.autocast = inputs
     ctx.save_for_backward(input, target)
 
 
@@ -365,13 +367,14 @@ def _pointwise_backward(ctx, grad: Tensor):
     input, target = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
     if torch.is_grad_enabled():
-        grad_input, grad_target = torch.ops.fusedloss.loss_gradients(grad, input, target, ctx.loss, ctx.param, "none")
+        grad_input, grad_target = torch.ops.fusedloss.loss_gradients(grad, input, target, ctx.loss, ctx.param, "none",
+                                                                     ctx.autocast)
     else:
         grad_input, grad_target = torch.ops.fusedloss.pointwise_loss_backward(
-            grad, input, target, ctx.loss, ctx.param, [bool(needs[0]), bool(needs[1])]
+            grad, input, target, ctx.loss, ctx.param, [bool(needs[0]), bool(needs[1])], ctx.autocast
         )
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            None, None)
+            None, None, None)
 
 
 def _reduced_setup_context(ctx, inputs, output) -> None:

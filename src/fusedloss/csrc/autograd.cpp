@@ -74,17 +74,18 @@ Tensors3 call_weighted_loss_backward(const at::Tensor& grad, const at::Tensor& i
 }
 
 at::Tensor call_pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
-                               double param) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, double)>("fusedloss::pointwise_loss");
-  return op.call(input, target, loss, param);
+                               double param, bool autocast) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, double, bool)>(
+      "fusedloss::pointwise_loss");
+  return op.call(input, target, loss, param, autocast);
 }
 
 Tensors2 call_pointwise_loss_backward(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
-                                      c10::string_view loss, double param, std::array<bool, 2> output_mask) {
+                                      c10::string_view loss, double param, std::array<bool, 2> output_mask,
+                                      bool autocast) {
   static const auto op = find_op<Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                          double, std::array<bool, 2>)>("fusedloss::pointwise_loss_backward");
-  return op.call(grad, input, target, loss, param, output_mask);
+                                          double, std::array<bool, 2>, bool)>("fusedloss::pointwise_loss_backward");
+  return op.call(grad, input, target, loss, param, output_mask, autocast);
 }
 
 void call_scale_(at::Tensor& self, const at::Tensor& scale, int64_t slot) {
@@ -333,10 +334,11 @@ struct PointwiseLossBackward : LossBackward {
     const auto wanted = needs();
     at::Tensor grad_input, grad_target;
     if (at::GradMode::is_enabled()) {  // already summed to each operand's shape
-      std::tie(grad_input, grad_target) = call_loss_gradients(grad, input, target, loss_, param_, "none", false);
+      std::tie(grad_input, grad_target) = call_loss_gradients(grad, input, target, loss_, param_, "none", autocast_);
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(grad_input, grad_target) = call_pointwise_loss_backward(grad, input, target, loss_, param_, wanted);
+      std::tie(grad_input, grad_target) =
+          call_pointwise_loss_backward(grad, input, target, loss_, param_, wanted, autocast_);
     }
     return operand_gradients(grad_input, grad_target, input, target, wanted);
   }
@@ -401,16 +403,16 @@ Tensors4 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& targe
 }
 
 at::Tensor pointwise_loss_autograd(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
-                                   double param) {
+                                   double param, bool autocast) {
   check_no_tangents(input, target, "pointwise_loss");
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = call_pointwise_loss(input, target, loss, param);
+    out = call_pointwise_loss(input, target, loss, param, autocast);
   }
   if (!wants_gradients(input, target)) return out;
   auto node = make_node<PointwiseLossBackward>();
-  node->save(input, target, loss, param, false);
+  node->save(input, target, loss, param, autocast);
   torch::autograd::set_history(out, node);
   return out;
 }

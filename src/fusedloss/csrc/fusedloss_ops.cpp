@@ -190,9 +190,9 @@ int32_t* history_slot(int64_t slot) {
 }
 
 at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
-                          double param) {
+                          double param, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   at::Tensor out = at::empty(ops.input.sizes(), ops.input.options().dtype(ops.loss_dtype));
   C10_CUDA_CHECK(launch_pointwise_loss(ops.problem, out.data_ptr(), c10::cuda::getCurrentCUDAStream()));
   return out;
@@ -202,9 +202,9 @@ std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& gra
                                                            const at::Tensor& input,
                                                            const at::Tensor& target,
                                                            c10::string_view loss, double param,
-                                                           std::array<bool, 2> output_mask) {
+                                                           std::array<bool, 2> output_mask, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
-  Operands ops = prepare(input, target, loss, param);
+  Operands ops = prepare(input, target, loss, param, autocast);
   TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
               ", expected ", input.device());
   // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
