@@ -29,10 +29,6 @@ void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
 // up into `out`.
 template <Grads kGrads>
 cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
-                                 void* grad_weight, void* out, cudaStream_t stream);
-
-template <Grads kGrads>
-cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
                                  void* grad_weight, void* out, cudaStream_t stream) {
   return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
@@ -57,10 +53,6 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
 
 // Backward's pass for a one-element grad_output: the gradients kGrads names (and
 // the weight's, with either), recomputed.
-template <Grads kGrads>
-cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad_output, void* grad_input,
-                                          void* grad_target, void* grad_weight, cudaStream_t stream);
-
 template <Grads kGrads>
 cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad_output, void* grad_input,
                                           void* grad_target, void* grad_weight, cudaStream_t stream) {
