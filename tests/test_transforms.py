@@ -95,8 +95,12 @@ AUTOCAST_PAIRS = [
     (torch.bfloat16, torch.float32, torch.bfloat16),
     (torch.float32, torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float32, torch.float16),
+    (torch.float32, torch.float16, torch.float16),
+    (torch.bfloat16, torch.float16, torch.bfloat16),
+    (torch.float16, torch.bfloat16, torch.float16),
     (torch.float32, torch.float32, torch.bfloat16),
 ]
+PAIRS_WITH_16_BIT_OPERANDS = [p for p in AUTOCAST_PAIRS if {torch.float16, torch.bfloat16} & set(p[:2])]
 
 
 @requires_cuda
@@ -125,24 +129,25 @@ def test_autocast_matches_torch(name, reduction, input_dtype, target_dtype, auto
 @requires_cuda
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_autocast_reads_16_bit_operands_without_float32_copies(name, reduction, dtype):
-    """A step under autocast allocates its results (a float32 loss, the 16-bit gradient)
-    and no float32 copy of an operand, which would take 4 bytes an element."""
+@pytest.mark.parametrize(("input_dtype", "target_dtype", "autocast_dtype"), PAIRS_WITH_16_BIT_OPERANDS, ids=str)
+def test_autocast_reads_16_bit_operands_without_float32_copies(name, reduction, input_dtype, target_dtype,
+                                                               autocast_dtype):
+    """A step under autocast allocates its results (a float32 loss, the input's gradient)
+    and no float32 copy of a 16-bit operand, which would take 4 bytes an element."""
     build.load()  # the kernels, not the fallback to torch.nn.functional, which copies
     ours, _ = _fns(name)
     n = (1 << 22) + 5
-    x = heavy_tailed((n,), device="cuda").to(dtype).requires_grad_()
-    y = heavy_tailed((n,), device="cuda").to(dtype)
+    x = heavy_tailed((n,), device="cuda").to(input_dtype).requires_grad_()
+    y = heavy_tailed((n,), device="cuda").to(target_dtype)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    with torch.autocast("cuda", dtype=dtype):
+    with torch.autocast("cuda", dtype=autocast_dtype):
         out = ours(x, y, reduction)
     assert out.dtype == torch.float32
     (out.sum() if reduction == "none" else out).backward()
     peak = torch.cuda.max_memory_allocated() - before
-    results = 2 * n + (4 * n if reduction == "none" else 0)  # the gradient, and the loss per element
+    results = x.element_size() * n + (4 * n if reduction == "none" else 0)  # the gradient, the loss per element
     assert peak < results + 2 * n, f"peak {peak} bytes against {results} for the results"
 
 

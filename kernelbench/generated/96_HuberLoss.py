@@ -255,8 +255,7 @@ struct ElementWeight {
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
 // Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
-// operands read as they are (only the reductions take it, and only for the
-// pairs that reads_under_autocast names).
+// operands read as they are (only for the pairs that reads_under_autocast names).
 struct LossProblem {
   LossKind loss;
   double param;
@@ -271,13 +270,12 @@ struct LossProblem {
   DeviceScale scale;
 };
 
-// The pairs the reductions read directly under autocast: float16 or bfloat16
-// with itself or with float32. The host converts other 16-bit operands first.
+// The pairs the kernels read directly under autocast: float16 or bfloat16 with
+// any 16- or 32-bit float. The host converts 16-bit operands paired with float64.
 constexpr bool reads_under_autocast(DType input, DType target) {
   const bool input_16 = input == DType::kFloat16 || input == DType::kBFloat16;
   const bool target_16 = target == DType::kFloat16 || target == DType::kBFloat16;
-  return (input_16 && (target == input || target == DType::kFloat32)) ||
-         (target_16 && input == DType::kFloat32);
+  return (input_16 || target_16) && input != DType::kFloat64 && target != DType::kFloat64;
 }
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
@@ -998,8 +996,7 @@ struct ElementWeight {
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
 // Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
-// operands read as they are (only the reductions take it, and only for the
-// pairs that reads_under_autocast names).
+// operands read as they are (only for the pairs that reads_under_autocast names).
 struct LossProblem {
   LossKind loss;
   double param;
@@ -1014,13 +1011,12 @@ struct LossProblem {
   DeviceScale scale;
 };
 
-// The pairs the reductions read directly under autocast: float16 or bfloat16
-// with itself or with float32. The host converts other 16-bit operands first.
+// The pairs the kernels read directly under autocast: float16 or bfloat16 with
+// any 16- or 32-bit float. The host converts 16-bit operands paired with float64.
 constexpr bool reads_under_autocast(DType input, DType target) {
   const bool input_16 = input == DType::kFloat16 || input == DType::kBFloat16;
   const bool target_16 = target == DType::kFloat16 || target == DType::kBFloat16;
-  return (input_16 && (target == input || target == DType::kFloat32)) ||
-         (target_16 && input == DType::kFloat32);
+  return (input_16 || target_16) && input != DType::kFloat64 && target != DType::kFloat64;
 }
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'
@@ -1739,11 +1735,22 @@ constexpr bool kAutocastKernels = false;
 constexpr bool kAutocastKernels = true;
 #endif
 
+// Whether Loss's own kernels for this pair already compute as autocast does:
+// in float32, with a float32 loss and both gradients computed in float32 (as
+// for every pair PyTorch promotes to float32, except where Huber's loss and
+// Smooth L1's gradients keep an operand's dtype).
+template <class Loss, typename In, typename Tgt>
+constexpr bool computes_as_autocast() {
+  using Op = PairOp<Loss, In, Tgt>;
+  return std::is_same_v<typename Op::Out, float> && std::is_same_v<typename Op::InputGradDtype, float> &&
+         std::is_same_v<typename Op::TargetGradDtype, float>;
+}
+
 // Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
 // taken only paired with fp64; the host code converts the other operand. A
-// problem under autocast is taken only by the launchers that instantiate
-// Float32Math (kWithAutocast), for the pairs reads_under_autocast names.
-template <bool kWithAutocast = false, class F>
+// problem under autocast (a pair reads_under_autocast names) takes Loss's own
+// kernels where they compute as autocast does, Float32Math<Loss>'s otherwise.
+template <class F>
 cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   with_dtype(p.input_dtype, [&](auto in) {
@@ -1753,8 +1760,15 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
       if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
         if (!p.autocast) {
           with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
-        } else if constexpr (kWithAutocast && kAutocastKernels && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
-          with_loss(p.loss, [&](auto loss) { err = f(Float32Math<decltype(loss)>{}, in, tgt); });
+        } else if constexpr (kAutocastKernels && !std::is_same_v<In, double>) {
+          with_loss(p.loss, [&](auto loss) {
+            using Loss = decltype(loss);
+            if constexpr (computes_as_autocast<Loss, In, Tgt>()) {
+              err = f(loss, in, tgt);
+            } else {
+              err = f(Float32Math<Loss>{}, in, tgt);
+            }
+          });
         }
       }
     });
@@ -1766,9 +1780,9 @@ template <Grads kGrads>
 using GradsConstant = std::integral_constant<Grads, kGrads>;
 
 // The same, with a fourth argument: the Grads that writing these gradients takes.
-template <bool kWithAutocast = false, class F>
+template <class F>
 cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool writes_target, F&& f) {
-  return with_problem_types<kWithAutocast>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     if (writes_target) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
     if (writes_input) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
     return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
@@ -1797,9 +1811,9 @@ Op make_op(const LossProblem& p) {
 // Calls f(op, tiles) with an OpT for the gradients that grad_input and
 // grad_target ask for, its operands and gradient pointers set; nothing to do
 // when none is asked for or the problem is empty.
-template <template <class, typename, typename, Grads> class OpT, bool kWithAutocast = false, class F>
+template <template <class, typename, typename, Grads> class OpT, class F>
 cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_target, F&& f) {
-  return with_problem_types<kWithAutocast>(p, grad_input != nullptr, grad_target != nullptr,
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr,
                                            [&](auto loss, auto in, auto tgt, auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
@@ -2139,7 +2153,7 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_ke
 namespace fusedloss {
 
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = PointwiseLossOp<decltype(loss), decltype(in), decltype(tgt)>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     if (tiles == 0) return cudaSuccess;
@@ -2160,7 +2174,7 @@ namespace fusedloss {
 cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
                                            bool grad_output_is_scalar, void* grad_input, void* grad_target,
                                            cudaStream_t stream) {
-  return with_gradient_op<PointwiseLossBackwardOp, true>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
+  return with_gradient_op<PointwiseLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
     using Op = decltype(op);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
     op.grad_output_is_scalar = grad_output_is_scalar;
@@ -2200,7 +2214,7 @@ cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, b
 template <Grads kGrads>
 cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
                                   cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt, kGrads>;
@@ -2233,7 +2247,7 @@ extern template cudaError_t launch_reduction_pass<Grads::kInputAndTarget>(const 
 
 int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_gradients) {
   int64_t bytes = 0;
-  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     const int64_t tiles = num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
     bytes = !writes_gradients && tiles <= kBlockwiseMaxTiles ? blockwise_scratch_bytes(p) : scratch_bytes(tiles);
     return cudaSuccess;
@@ -2244,7 +2258,7 @@ int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_gradients) 
 cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_input, void* grad_target,
                                 bool mean, void* out, cudaStream_t stream) {
   Word* sum = static_cast<Word*>(scratch);
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     // The tiles, and so the scratch, are the same whichever gradients are written.
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using T = typename Op::T;
@@ -2282,7 +2296,7 @@ namespace fusedloss {
 
 cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
                                          void* grad_target, int32_t* history, cudaStream_t stream) {
-  return with_gradient_op<ReducedLossBackwardOp, true>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
+  return with_gradient_op<ReducedLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
     using Op = decltype(op);
     op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
@@ -2349,7 +2363,7 @@ inline int64_t wanted_blocks(int64_t tiles) {
 
 int64_t blockwise_scratch_bytes(const LossProblem& p) {
   int64_t bytes = 0;
-  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     const int64_t blocks = wanted_blocks(tiles);  // the launch may take fewer
@@ -2361,7 +2375,7 @@ int64_t blockwise_scratch_bytes(const LossProblem& p) {
 
 cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, bool mean, void* out,
                                        cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using Out = typename Op::Out;
     Op op = make_op<Op>(p);

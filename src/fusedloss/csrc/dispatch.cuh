@@ -45,11 +45,22 @@ constexpr bool kAutocastKernels = false;
 constexpr bool kAutocastKernels = true;
 #endif
 
+// Whether Loss's own kernels for this pair already compute as autocast does:
+// in float32, with a float32 loss and both gradients computed in float32 (as
+// for every pair PyTorch promotes to float32, except where Huber's loss and
+// Smooth L1's gradients keep an operand's dtype).
+template <class Loss, typename In, typename Tgt>
+constexpr bool computes_as_autocast() {
+  using Op = PairOp<Loss, In, Tgt>;
+  return std::is_same_v<typename Op::Out, float> && std::is_same_v<typename Op::InputGradDtype, float> &&
+         std::is_same_v<typename Op::TargetGradDtype, float>;
+}
+
 // Calls f(Loss{}, In{}, Tgt{}) for the problem's loss and dtype pair. fp64 is
 // taken only paired with fp64; the host code converts the other operand. A
-// problem under autocast is taken only by the launchers that instantiate
-// Float32Math (kWithAutocast), for the pairs reads_under_autocast names.
-template <bool kWithAutocast = false, class F>
+// problem under autocast (a pair reads_under_autocast names) takes Loss's own
+// kernels where they compute as autocast does, Float32Math<Loss>'s otherwise.
+template <class F>
 cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   with_dtype(p.input_dtype, [&](auto in) {
@@ -59,8 +70,15 @@ cudaError_t with_problem_types(const LossProblem& p, F&& f) {
       if constexpr (std::is_same_v<In, double> == std::is_same_v<Tgt, double>) {
         if (!p.autocast) {
           with_loss(p.loss, [&](auto loss) { err = f(loss, in, tgt); });
-        } else if constexpr (kWithAutocast && kAutocastKernels && reads_under_autocast(dtype_of<In>(), dtype_of<Tgt>())) {
-          with_loss(p.loss, [&](auto loss) { err = f(Float32Math<decltype(loss)>{}, in, tgt); });
+        } else if constexpr (kAutocastKernels && !std::is_same_v<In, double>) {
+          with_loss(p.loss, [&](auto loss) {
+            using Loss = decltype(loss);
+            if constexpr (computes_as_autocast<Loss, In, Tgt>()) {
+              err = f(loss, in, tgt);
+            } else {
+              err = f(Float32Math<Loss>{}, in, tgt);
+            }
+          });
         }
       }
     });
@@ -72,9 +90,9 @@ template <Grads kGrads>
 using GradsConstant = std::integral_constant<Grads, kGrads>;
 
 // The same, with a fourth argument: the Grads that writing these gradients takes.
-template <bool kWithAutocast = false, class F>
+template <class F>
 cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool writes_target, F&& f) {
-  return with_problem_types<kWithAutocast>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     if (writes_target) return f(loss, in, tgt, GradsConstant<Grads::kInputAndTarget>{});
     if (writes_input) return f(loss, in, tgt, GradsConstant<Grads::kInput>{});
     return f(loss, in, tgt, GradsConstant<Grads::kNone>{});
@@ -103,9 +121,9 @@ Op make_op(const LossProblem& p) {
 // Calls f(op, tiles) with an OpT for the gradients that grad_input and
 // grad_target ask for, its operands and gradient pointers set; nothing to do
 // when none is asked for or the problem is empty.
-template <template <class, typename, typename, Grads> class OpT, bool kWithAutocast = false, class F>
+template <template <class, typename, typename, Grads> class OpT, class F>
 cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_target, F&& f) {
-  return with_problem_types<kWithAutocast>(p, grad_input != nullptr, grad_target != nullptr,
+  return with_problem_types(p, grad_input != nullptr, grad_target != nullptr,
                                            [&](auto loss, auto in, auto tgt, auto grads) {
     using In = decltype(in);
     using Tgt = decltype(tgt);

@@ -60,8 +60,7 @@ struct ElementWeight {
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
 // Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
-// operands read as they are (only the reductions take it, and only for the
-// pairs that reads_under_autocast names).
+// operands read as they are (only for the pairs that reads_under_autocast names).
 struct LossProblem {
   LossKind loss;
   double param;
@@ -76,13 +75,12 @@ struct LossProblem {
   DeviceScale scale;
 };
 
-// The pairs the reductions read directly under autocast: float16 or bfloat16
-// with itself or with float32. The host converts other 16-bit operands first.
+// The pairs the kernels read directly under autocast: float16 or bfloat16 with
+// any 16- or 32-bit float. The host converts 16-bit operands paired with float64.
 constexpr bool reads_under_autocast(DType input, DType target) {
   const bool input_16 = input == DType::kFloat16 || input == DType::kBFloat16;
   const bool target_16 = target == DType::kFloat16 || target == DType::kBFloat16;
-  return (input_16 && (target == input || target == DType::kFloat32)) ||
-         (target_16 && input == DType::kFloat32);
+  return (input_16 || target_16) && input != DType::kFloat64 && target != DType::kFloat64;
 }
 
 // A mean or sum into the 0-d `out`, in the loss's dtype (as for reduction='none'

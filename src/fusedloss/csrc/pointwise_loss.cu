@@ -5,7 +5,7 @@
 namespace fusedloss {
 
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = PointwiseLossOp<decltype(loss), decltype(in), decltype(tgt)>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     if (tiles == 0) return cudaSuccess;

@@ -16,7 +16,7 @@ extern template cudaError_t launch_reduction_pass<Grads::kInputAndTarget>(const 
 
 int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_gradients) {
   int64_t bytes = 0;
-  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     const int64_t tiles = num_tiles<ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
     bytes = !writes_gradients && tiles <= kBlockwiseMaxTiles ? blockwise_scratch_bytes(p) : scratch_bytes(tiles);
     return cudaSuccess;
@@ -27,7 +27,7 @@ int64_t reduced_loss_scratch_bytes(const LossProblem& p, bool writes_gradients) 
 cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_input, void* grad_target,
                                 bool mean, void* out, cudaStream_t stream) {
   Word* sum = static_cast<Word*>(scratch);
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     // The tiles, and so the scratch, are the same whichever gradients are written.
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using T = typename Op::T;

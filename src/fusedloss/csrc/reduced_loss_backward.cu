@@ -9,7 +9,7 @@ namespace fusedloss {
 
 cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
                                          void* grad_target, int32_t* history, cudaStream_t stream) {
-  return with_gradient_op<ReducedLossBackwardOp, true>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
+  return with_gradient_op<ReducedLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
     using Op = decltype(op);
     op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);

@@ -40,7 +40,7 @@ inline int64_t wanted_blocks(int64_t tiles) {
 
 int64_t blockwise_scratch_bytes(const LossProblem& p) {
   int64_t bytes = 0;
-  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     const int64_t blocks = wanted_blocks(tiles);  // the launch may take fewer
@@ -52,7 +52,7 @@ int64_t blockwise_scratch_bytes(const LossProblem& p) {
 
 cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, bool mean, void* out,
                                        cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using Op = ReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>;
     using Out = typename Op::Out;
     Op op = make_op<Op>(p);

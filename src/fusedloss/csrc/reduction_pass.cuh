@@ -24,7 +24,7 @@ cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, b
 template <Grads kGrads>
 cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_input, void* grad_target, bool mean,
                                   cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = ReducedLossOp<decltype(loss), In, Tgt, kGrads>;

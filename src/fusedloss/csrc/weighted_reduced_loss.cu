@@ -12,7 +12,7 @@ template cudaError_t launch_weighted_pass<Grads::kNone>(const LossProblem&, doub
 
 int64_t weighted_reduced_loss_partials(const LossProblem& p) {
   int64_t tiles = 0;
-  with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     // The tiles are the same whichever gradients are written.
     tiles = num_tiles<WeightedReducedLossOp<decltype(loss), decltype(in), decltype(tgt), Grads::kNone>>(p.numel);
     return cudaSuccess;

@@ -30,7 +30,7 @@ void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
 template <Grads kGrads>
 cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
                                  void* grad_weight, void* out, cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
@@ -56,7 +56,7 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
 template <Grads kGrads>
 cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad_output, void* grad_input,
                                           void* grad_target, void* grad_weight, cudaStream_t stream) {
-  return with_problem_types<true>(p, [&](auto loss, auto in, auto tgt) {
+  return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossBackwardOp<decltype(loss), In, Tgt, kGrads>;
