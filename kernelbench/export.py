@@ -38,17 +38,20 @@ def read_source(name: str, _seen: set[str] | None = None) -> str:
     return _LOCAL_INCLUDE.sub(paste, text.replace("#pragma once\n", ""))
 
 
-# The weighted reductions serve no KernelBench problem; the files leave them out
-# (``FUSEDLOSS_NO_WEIGHTED_KERNELS``), which keeps their one translation unit's compile short.
+# The kernels of the Weighted policy (the weighted reductions, and reduction='none''s
+# backward for an expanded grad_output) serve no KernelBench problem; the files leave them
+# out (``FUSEDLOSS_NO_WEIGHTED_KERNELS``), which keeps their one translation unit's compile short.
 _WEIGHTED_PREFIX = "weighted_"
+_WEIGHTED_POLICY_SOURCES = ("pointwise_loss_backward_broadcast.cu",)
 
 
 def cuda_source() -> str:
-    """Every ``.cu`` file of the build but the weighted ones, in its order, as one translation
-    unit; each header once."""
+    """Every ``.cu`` file of the build but those of the Weighted policy, in its order, as one
+    translation unit; each header once."""
     seen: set[str] = set()
     return "".join(read_source(name, seen) for name in build.SOURCES
-                   if name.endswith(".cu") and not name.startswith(_WEIGHTED_PREFIX))
+                   if name.endswith(".cu") and not name.startswith(_WEIGHTED_PREFIX)
+                   and name not in _WEIGHTED_POLICY_SOURCES)
 
 
 @dataclass(frozen=True)

@@ -319,6 +319,12 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const voi
                                            bool grad_output_is_scalar, void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
+// The same for a grad_output that broadcasts to the loss's shape (the backward
+// of a mean over some dimensions expands one), read where it lies, laid out as
+// a weight is (ElementWeight).
+cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem, const ElementWeight& grad_output,
+                                                     void* grad_input, void* grad_target, cudaStream_t stream);
+
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
 // dtype, when the forward wrote no gradient: d loss / d input and d loss /
 // d target recomputed from the operands, with the bits that the forward's
@@ -518,29 +524,6 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
-                                                           const at::Tensor& input,
-                                                           const at::Tensor& target,
-                                                           c10::string_view loss, double param,
-                                                           std::array<bool, 2> output_mask, bool autocast) {
-  const c10::cuda::CUDAGuard guard(input.device());
-  Operands ops = prepare(input, target, loss, param, autocast);
-  TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
-              ", expected ", input.device());
-  // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
-  at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
-  const bool go_is_scalar = go.numel() > 0 && std::all_of(go.strides().begin(), go.strides().end(),
-                                                          [](int64_t s) { return s == 0; });
-  go = go_is_scalar ? go.as_strided({1}, {1}) : as_kernel_layout(go);
-
-  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
-  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar,
-                                                data_or_null(grad_input), data_or_null(grad_target),
-                                                c10::cuda::getCurrentCUDAStream()));
-  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
-}
-
 // history_slot is autograd's (see reduced_loss_backward); the forward ignores it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
                                                             c10::string_view loss, double param,
@@ -582,9 +565,16 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
-// A build may leave the weighted reductions out (the KernelBench files, which
-// need none of them and compile every kernel in one translation unit).
-#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
+// A build may leave the kernels of the Weighted policy out (the KernelBench
+// files, which need none of them and compile every kernel in one translation
+// unit): the weighted reductions, and the backward that reads an expanded
+// grad_output where it lies (such a build copies it to the loss's size).
+#ifdef FUSEDLOSS_NO_WEIGHTED_KERNELS
+constexpr bool kWeightedPolicyKernels = false;
+#else
+constexpr bool kWeightedPolicyKernels = true;
+#endif
+
 // A weight as the weighted kernels read it (ElementWeight): in the loss's math
 // dtype, contiguous in its own shape when the loss's dimensions fall into as
 // many runs as the kernels take; other weights are expanded first.
@@ -655,6 +645,48 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   return out;
 }
 
+// grad_output as the kernels read it: one value (the backward of .sum() or
+// .mean()), of the loss's shape, or expanded over some dimensions (the
+// backward of a mean over those), which is read where it lies, as a weight is.
+std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
+                                                           const at::Tensor& input,
+                                                           const at::Tensor& target,
+                                                           c10::string_view loss, double param,
+                                                           std::array<bool, 2> output_mask, bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  Operands ops = prepare(input, target, loss, param, autocast);
+  TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
+              ", expected ", input.device());
+  at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
+  bool go_is_scalar = go.numel() > 0, go_is_expanded = false;
+  for (int64_t i = 0; i < go.dim(); ++i) {
+    go_is_scalar = go_is_scalar && go.stride(i) == 0;
+    go_is_expanded = go_is_expanded || (go.stride(i) == 0 && go.size(i) > 1);
+  }
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if constexpr (kWeightedPolicyKernels) {
+    if (go_is_expanded && !go_is_scalar) {
+      std::vector<int64_t> sizes = go.sizes().vec();
+      for (int64_t i = 0; i < go.dim(); ++i) {
+        if (go.stride(i) == 0) sizes[i] = 1;
+      }
+      const at::ScalarType math = ops.loss_dtype == at::kDouble ? at::kDouble : at::kFloat;
+      const KernelWeight broadcast = as_kernel_weight(go.as_strided(sizes, go.strides()), go.sizes(), math,
+                                                      input.device());
+      C10_CUDA_CHECK(launch_pointwise_loss_backward_broadcast(ops.problem, broadcast.layout, data_or_null(grad_input),
+                                                              data_or_null(grad_target), stream));
+      return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+    }
+  }
+  go = go_is_scalar ? go.as_strided({1}, {1}) : as_kernel_layout(go);
+  C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar, data_or_null(grad_input),
+                                                data_or_null(grad_target), stream));
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
+#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
 // A one-element multiplier on the device (DeviceScale), as a dtype the kernels read.
 at::Tensor as_device_scalar(const c10::optional<at::Tensor>& t, const at::Device& device) {
   if (!t.has_value() || !t->defined()) return at::Tensor();
@@ -1060,6 +1092,12 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const voi
                                            bool grad_output_is_scalar, void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
+// The same for a grad_output that broadcasts to the loss's shape (the backward
+// of a mean over some dimensions expands one), read where it lies, laid out as
+// a weight is (ElementWeight).
+cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem, const ElementWeight& grad_output,
+                                                     void* grad_input, void* grad_target, cudaStream_t stream);
+
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
 // dtype, when the forward wrote no gradient: d loss / d input and d loss /
 // d target recomputed from the operands, with the bits that the forward's
@@ -1432,6 +1470,7 @@ struct PairOp {
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
   static constexpr int kChunksPerThread = 1;
   static constexpr int kChunksInFlight = 1;
+  static constexpr int kBlocksPerSm = fusedloss::kBlocksPerSm;
 
   template <int W>
   struct Chunk {
@@ -1575,22 +1614,34 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
   }
 };
 
-// The gradients of reduction='none' that kGrads names.
-template <class Loss, typename In, typename Tgt, Grads kGrads>
+// The gradients of reduction='none' that kGrads names, times grad_output: of
+// the loss's shape or one value (Unweighted), or with a Weighted policy one that
+// broadcasts to the loss's shape, read where it lies as a weight is (the backward
+// of a mean over some dimensions hands over such an expanded grad_output).
+template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   using typename Base::Out;
   template <int W>
-  using Chunk = typename Base::template Chunk<W>;
+  struct Chunk : Base::template Chunk<W> {
+    typename Weights::template Values<W, T> weight;
+  };
+  static constexpr bool kBroadcast = !std::is_same_v<Weights, Unweighted>;
+  static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
 
-  const Out* __restrict__ grad_output;
+  const Out* __restrict__ grad_output;  // Unweighted only
   bool grad_output_is_scalar;
+  Weights weights;  // the broadcast grad_output
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
     this->load_pair(c, first);
-    if (!grad_output_is_scalar) load_chunk(c.grad_output, grad_output, first);
+    if constexpr (kBroadcast) {
+      weights.load(c.weight, first);
+    } else if (!grad_output_is_scalar) {
+      load_chunk(c.grad_output, grad_output, first);
+    }
   }
 
   template <int W>
@@ -1599,7 +1650,12 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
     alignas(16) Tgt gt[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
+      T go;
+      if constexpr (kBroadcast) {
+        go = Weights::times(c.weight, k, T(1));
+      } else {
+        go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
+      }
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
     }
@@ -2080,7 +2136,7 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
 }
 
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
   visit_tile(op, n);
 }
 

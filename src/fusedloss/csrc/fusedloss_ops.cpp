@@ -198,29 +198,6 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
-                                                           const at::Tensor& input,
-                                                           const at::Tensor& target,
-                                                           c10::string_view loss, double param,
-                                                           std::array<bool, 2> output_mask, bool autocast) {
-  const c10::cuda::CUDAGuard guard(input.device());
-  Operands ops = prepare(input, target, loss, param, autocast);
-  TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
-              ", expected ", input.device());
-  // An expanded scalar (the backward of .sum() or .mean()) is read as one value.
-  at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
-  const bool go_is_scalar = go.numel() > 0 && std::all_of(go.strides().begin(), go.strides().end(),
-                                                          [](int64_t s) { return s == 0; });
-  go = go_is_scalar ? go.as_strided({1}, {1}) : as_kernel_layout(go);
-
-  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
-  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
-  C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar,
-                                                data_or_null(grad_input), data_or_null(grad_target),
-                                                c10::cuda::getCurrentCUDAStream()));
-  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
-}
-
 // history_slot is autograd's (see reduced_loss_backward); the forward ignores it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
                                                             c10::string_view loss, double param,
@@ -262,9 +239,16 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
-// A build may leave the weighted reductions out (the KernelBench files, which
-// need none of them and compile every kernel in one translation unit).
-#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
+// A build may leave the kernels of the Weighted policy out (the KernelBench
+// files, which need none of them and compile every kernel in one translation
+// unit): the weighted reductions, and the backward that reads an expanded
+// grad_output where it lies (such a build copies it to the loss's size).
+#ifdef FUSEDLOSS_NO_WEIGHTED_KERNELS
+constexpr bool kWeightedPolicyKernels = false;
+#else
+constexpr bool kWeightedPolicyKernels = true;
+#endif
+
 // A weight as the weighted kernels read it (ElementWeight): in the loss's math
 // dtype, contiguous in its own shape when the loss's dimensions fall into as
 // many runs as the kernels take; other weights are expanded first.
@@ -335,6 +319,48 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   return out;
 }
 
+// grad_output as the kernels read it: one value (the backward of .sum() or
+// .mean()), of the loss's shape, or expanded over some dimensions (the
+// backward of a mean over those), which is read where it lies, as a weight is.
+std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
+                                                           const at::Tensor& input,
+                                                           const at::Tensor& target,
+                                                           c10::string_view loss, double param,
+                                                           std::array<bool, 2> output_mask, bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  Operands ops = prepare(input, target, loss, param, autocast);
+  TORCH_CHECK(grad_output.device() == input.device(), "fusedloss: grad_output is on ", grad_output.device(),
+              ", expected ", input.device());
+  at::Tensor go = grad_output.to(ops.loss_dtype).expand(ops.input.sizes());
+  bool go_is_scalar = go.numel() > 0, go_is_expanded = false;
+  for (int64_t i = 0; i < go.dim(); ++i) {
+    go_is_scalar = go_is_scalar && go.stride(i) == 0;
+    go_is_expanded = go_is_expanded || (go.stride(i) == 0 && go.size(i) > 1);
+  }
+  at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
+  at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if constexpr (kWeightedPolicyKernels) {
+    if (go_is_expanded && !go_is_scalar) {
+      std::vector<int64_t> sizes = go.sizes().vec();
+      for (int64_t i = 0; i < go.dim(); ++i) {
+        if (go.stride(i) == 0) sizes[i] = 1;
+      }
+      const at::ScalarType math = ops.loss_dtype == at::kDouble ? at::kDouble : at::kFloat;
+      const KernelWeight broadcast = as_kernel_weight(go.as_strided(sizes, go.strides()), go.sizes(), math,
+                                                      input.device());
+      C10_CUDA_CHECK(launch_pointwise_loss_backward_broadcast(ops.problem, broadcast.layout, data_or_null(grad_input),
+                                                              data_or_null(grad_target), stream));
+      return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+    }
+  }
+  go = go_is_scalar ? go.as_strided({1}, {1}) : as_kernel_layout(go);
+  C10_CUDA_CHECK(launch_pointwise_loss_backward(ops.problem, go.data_ptr(), go_is_scalar, data_or_null(grad_input),
+                                                data_or_null(grad_target), stream));
+  return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
+#ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
 // A one-element multiplier on the device (DeviceScale), as a dtype the kernels read.
 at::Tensor as_device_scalar(const c10::optional<at::Tensor>& t, const at::Device& device) {
   if (!t.has_value() || !t->defined()) return at::Tensor();

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(O
 }
 
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
   visit_tile(op, n);
 }
 

@@ -124,6 +124,12 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const voi
                                            bool grad_output_is_scalar, void* grad_input, void* grad_target,
                                            cudaStream_t stream);
 
+// The same for a grad_output that broadcasts to the loss's shape (the backward
+// of a mean over some dimensions expands one), read where it lies, laid out as
+// a weight is (ElementWeight).
+cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem, const ElementWeight& grad_output,
+                                                     void* grad_input, void* grad_target, cudaStream_t stream);
+
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
 // dtype, when the forward wrote no gradient: d loss / d input and d loss /
 // d target recomputed from the operands, with the bits that the forward's

@@ -183,6 +183,7 @@ struct PairOp {
   static constexpr int kVec = 16 / (sizeof(In) < sizeof(Tgt) ? sizeof(In) : sizeof(Tgt));
   static constexpr int kChunksPerThread = 1;
   static constexpr int kChunksInFlight = 1;
+  static constexpr int kBlocksPerSm = fusedloss::kBlocksPerSm;
 
   template <int W>
   struct Chunk {
@@ -326,22 +327,34 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
   }
 };
 
-// The gradients of reduction='none' that kGrads names.
-template <class Loss, typename In, typename Tgt, Grads kGrads>
+// The gradients of reduction='none' that kGrads names, times grad_output: of
+// the loss's shape or one value (Unweighted), or with a Weighted policy one that
+// broadcasts to the loss's shape, read where it lies as a weight is (the backward
+// of a mean over some dimensions hands over such an expanded grad_output).
+template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
   using typename Base::T;
   using typename Base::Out;
   template <int W>
-  using Chunk = typename Base::template Chunk<W>;
+  struct Chunk : Base::template Chunk<W> {
+    typename Weights::template Values<W, T> weight;
+  };
+  static constexpr bool kBroadcast = !std::is_same_v<Weights, Unweighted>;
+  static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
 
-  const Out* __restrict__ grad_output;
+  const Out* __restrict__ grad_output;  // Unweighted only
   bool grad_output_is_scalar;
+  Weights weights;  // the broadcast grad_output
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
     this->load_pair(c, first);
-    if (!grad_output_is_scalar) load_chunk(c.grad_output, grad_output, first);
+    if constexpr (kBroadcast) {
+      weights.load(c.weight, first);
+    } else if (!grad_output_is_scalar) {
+      load_chunk(c.grad_output, grad_output, first);
+    }
   }
 
   template <int W>
@@ -350,7 +363,12 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
     alignas(16) Tgt gt[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const T go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
+      T go;
+      if constexpr (kBroadcast) {
+        go = Weights::times(c.weight, k, T(1));
+      } else {
+        go = to_opmath(grad_output_is_scalar ? grad_output[0] : c.grad_output[k]);
+      }
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], go);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], go);
     }
