@@ -7,8 +7,9 @@ its 2^30 rows (``--only-latency`` runs it alone, ``--no-latency`` skips it).
   (``p.grad = None; fn(p, t).backward()``) and for a forward under ``torch.no_grad()``;
   and the GPU time of the step captured in a CUDA graph, with the host taken away.
   latency.csv's ``step_bytes`` counts read input + read target + write grad_input.
-- AMP rows (bf16 input, bf16 or float32 target, bf16 autocast, N = 2^26) and the
-  ``loss / 4`` row (bf16, N = 2^28): device time of a step; TB/s counts read input +
+- AMP rows (bf16 input, bf16 or float32 target, bf16 autocast, N = 2^26), the
+  ``loss / 4`` row (bf16, N = 2^28) and the rows of ``reduction='none'`` then a mean over
+  the non-batch dimensions (float32 and bf16, 2^26): device time of a step; TB/s counts read input +
   read target + write grad_input in the operands' own dtypes, so autocast's float32
   copies are traffic each system adds as it chooses. %copy refers to a 2 GiB
   device-to-device copy timed in the same row.
@@ -304,6 +305,23 @@ def quarter_loss_row(n: int = 2**28) -> dict:
     return _loss_row(label, fusedloss.mse_loss, F.mse_loss, p, t, divide_by=4.0)
 
 
+def mean_over_dimensions_rows(shape: tuple[int, ...] = (64, 16, 256, 256)) -> list[dict]:
+    """``reduction='none'``, then a mean over the non-batch dimensions weighed per sample, as
+    diffusion trainers write it: backward hands the loss a grad_output expanded over them."""
+    torch.manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        p, t = seed_inputs(shape, dtype, "cuda")
+        w = torch.rand(shape[0], device="cuda", dtype=dtype)
+
+        def written_with(mse: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+            return lambda a, b: (mse(a, b, reduction="none").mean(dim=(1, 2, 3)) * w).mean()
+
+        label = f"mse 'none'.mean(dim=(1, 2, 3)) * w, {_dtype_name(dtype)}"
+        rows.append(_loss_row(label, written_with(fusedloss.mse_loss), written_with(F.mse_loss), p, t))
+    return rows
+
+
 def _model_loss(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor],
                 autocast: bool) -> Callable[[Tensor, Tensor], Tensor]:
     def model_loss(images: Tensor, labels: Tensor) -> Tensor:
@@ -371,7 +389,7 @@ def run_all(out_dir: Path, exponents: Iterable[int] | None = None) -> None:
     except ImportError:  # matplotlib is in the bench extra; the CSV holds the numbers
         report(f"latency written to {out_dir / 'latency.csv'} (no matplotlib: no plot)")
     report("\nTraining steps, device time (CUDA events); AMP rows: fused/eager/compile all under autocast")
-    report(_format_device(amp_rows() + [quarter_loss_row()]))
+    report(_format_device(amp_rows() + [quarter_loss_row()] + mean_over_dimensions_rows()))
     report.save()
     report("\nConv net + MSE, forward + backward, device time: fused = compiled whole (fullgraph=True) with "
            "fusedloss.mse_loss, compile = the same with F.mse_loss, eager = F uncompiled")
