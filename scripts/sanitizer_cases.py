@@ -9,7 +9,7 @@ weighted reductions with each weight layout (none, one value, one to three
 runs of dimensions, runs shorter than a chunk, the loss's own size), scale
 on the host and on the device, and a weight that requires grad (its gradient
 written beside the input's); reduction='none' backward with a grad_output
-expanded by a mean over some dimensions.
+expanded by a sum over some dimensions.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ AUTOCAST_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float3
                   (torch.bfloat16, torch.float16)]
 # One tile; a few (one block); blockwise over many blocks; past the blockwise limit.
 SIZES = (4099, 40_009, 2_100_001)
-# Loss shapes and the dimensions a mean takes: per sample, last, middle, outer and
+# Loss shapes and the dimensions a sum takes: per sample, last, middle, outer and
 # inner (short runs), and six alternating runs.
 EXPANDED_BY_A_MEAN = [((6, 5, 7, 9), (1, 2, 3)), ((7, 33, 65), (2,)), ((6, 5, 7, 9), (1,)), ((6, 5, 7, 3), (0, 3)),
                       ((3, 5, 2, 4, 2, 3), (1, 3, 5))]
@@ -88,7 +88,7 @@ def main() -> None:
             with torch.no_grad():
                 fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs)
         cases += 1
-    # reduction='none' then a mean over some dimensions: backward reads the expanded
+    # reduction='none' then a sum over some dimensions: backward reads the expanded
     # grad_output where it lies (one to four runs; six are copied instead).
     for (name, (fn, kwargs)), (in_dtype, tgt_dtype), (shape, dims) in itertools.product(
         LOSSES.items(), DTYPE_PAIRS, EXPANDED_BY_A_MEAN
@@ -97,7 +97,7 @@ def main() -> None:
         for offset in (0, 1):
             input = operand(n, in_dtype, offset).view(shape)
             target = operand(n, tgt_dtype, offset).view(shape)
-            fn(input, target, reduction="none", **kwargs).mean(dim=dims).sum().backward()
+            fn(input, target, reduction="none", **kwargs).sum(dim=dims).sum().backward()
         cases += 1
     torch.cuda.synchronize()
     print(f"sanitizer cases: {cases} configurations ran")

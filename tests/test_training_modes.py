@@ -318,17 +318,17 @@ def test_pointwise_grad_output_matches_torch(device, name, kind, dtype):
                 _assert_grad_close_to_float64(g, e, dtype, dtype)
 
 
-# A mean over some dimensions hands backward a grad_output expanded over them, which the
+# A sum over some dimensions hands backward a grad_output expanded over them, which the
 # kernels read where it lies (as a weight); six alternating runs are more than they take.
-MEAN_DIMS = {"per sample": ((6, 5, 7, 9), (1, 2, 3)), "last": ((6, 5, 7, 9), (3,)), "middle": ((6, 5, 7, 9), (1,)),
+SUMMED_DIMS = {"per sample": ((6, 5, 7, 9), (1, 2, 3)), "last": ((6, 5, 7, 9), (3,)), "middle": ((6, 5, 7, 9), (1,)),
              "outer and inner": ((6, 5, 7, 9), (0, 3)), "six runs": ((3, 5, 2, 4, 2, 3), (1, 3, 5))}
 
 
 @pytest.mark.parametrize("name", LOSSES)
-@pytest.mark.parametrize("case", MEAN_DIMS)
+@pytest.mark.parametrize("case", SUMMED_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_pointwise_grad_output_expanded_by_a_mean(device, name, case, dtype):
-    shape, dims = MEAN_DIMS[case]
+def test_pointwise_grad_output_expanded_by_a_reduction(device, name, case, dtype):
+    shape, dims = SUMMED_DIMS[case]
     input = _leaf(heavy_tailed(shape, device=device).to(dtype))
     target = _leaf(heavy_tailed(shape, device=device).to(dtype))
     kept = [1 if d in dims else size for d, size in enumerate(shape)]
@@ -344,12 +344,11 @@ def test_pointwise_grad_output_expanded_by_a_mean(device, name, case, dtype):
     expected64 = _float64_gradients(name, input, target, "none", grad_output, PARAMS[name])
     for g, e in zip(got, expected64):
         _assert_grad_close_to_float64(g, e, dtype, dtype)
-    # As a trainer writes it: the loss's mean over those dimensions, weighed per sample.
-    weights = torch.randn(out.mean(dim=dims).shape, dtype=dtype, device=device)
-    got = _grads((out.mean(dim=dims) * weights).sum(), (input, target))
-    want = _grads((expected.mean(dim=dims) * weights).sum(), (input, target))
-    through_mean = (weights.reshape(kept) / (out.numel() // weights.numel())).expand(shape)
-    bounds = _gradient_bounds(name, PARAMS[name], "none", input, target, through_mean)
+    # As a trainer writes it: the loss's sum over those dimensions, weighed per sample.
+    weights = torch.randn(out.sum(dim=dims).shape, dtype=dtype, device=device)
+    got = _grads((out.sum(dim=dims) * weights).sum(), (input, target))
+    want = _grads((expected.sum(dim=dims) * weights).sum(), (input, target))
+    bounds = _gradient_bounds(name, PARAMS[name], "none", input, target, weights.reshape(kept).expand(shape))
     for g, w, bound in zip(got, want, bounds):
         _assert_close_within_bound(g, w, bound)
 
@@ -357,20 +356,21 @@ def test_pointwise_grad_output_expanded_by_a_mean(device, name, case, dtype):
 @requires_cuda
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("dims", [(1,), (0,)], ids=str)
-def test_grad_output_expanded_by_a_mean_is_not_copied(name, dims):
-    """A step `loss(reduction='none').mean(dim)` allocates the loss per element and the
-    gradient, and no copy of the expanded grad_output, which would take 4 bytes an element."""
+def test_grad_output_expanded_by_a_sum_is_not_copied(name, dims):
+    """The backward of `loss(reduction='none').sum(dim)` (whose grad_output is expanded; a
+    mean's backward divides it into a tensor of the loss's size) allocates the gradient and
+    no copy of the grad_output, which would take 4 bytes an element."""
     build.load()  # the kernels, not the fallback to torch.nn.functional
     x = heavy_tailed((4099, 1027), device="cuda").requires_grad_()
     y = heavy_tailed((4099, 1027), device="cuda")
-    n = x.numel()
+    loss = _loss(name, OURS, x, y, "none").sum(dim=dims).mean()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    _loss(name, OURS, x, y, "none").mean(dim=dims).mean().backward()
+    loss.backward()
     peak = torch.cuda.max_memory_allocated() - before
-    results = 4 * n + 4 * n  # the loss per element, the gradient
-    assert peak < results + 2 * n, f"peak {peak} bytes against {results} for the results"
+    gradient = 4 * x.numel()
+    assert peak < gradient + 2 * x.numel(), f"peak {peak} bytes against {gradient} for the gradient"
 
 
 # ---- 3. in-place modification after the forward; gradients kept across steps ---------------

@@ -8,8 +8,8 @@ its 2^30 rows (``--only-latency`` runs it alone, ``--no-latency`` skips it).
   and the GPU time of the step captured in a CUDA graph, with the host taken away.
   latency.csv's ``step_bytes`` counts read input + read target + write grad_input.
 - AMP rows (bf16 input, bf16 or float32 target, bf16 autocast, N = 2^26), the
-  ``loss / 4`` row (bf16, N = 2^28) and the rows of ``reduction='none'`` then a mean over
-  the non-batch dimensions (float32 and bf16, 2^26): device time of a step; TB/s counts read input +
+  ``loss / 4`` row (bf16, N = 2^28) and the rows of ``reduction='none'`` then a sum or a
+  mean over the non-batch dimensions (float32 and bf16, 2^26): device time of a step; TB/s counts read input +
   read target + write grad_input in the operands' own dtypes, so autocast's float32
   copies are traffic each system adds as it chooses. %copy refers to a 2 GiB
   device-to-device copy timed in the same row.
@@ -305,20 +305,26 @@ def quarter_loss_row(n: int = 2**28) -> dict:
     return _loss_row(label, fusedloss.mse_loss, F.mse_loss, p, t, divide_by=4.0)
 
 
-def mean_over_dimensions_rows(shape: tuple[int, ...] = (64, 16, 256, 256)) -> list[dict]:
-    """``reduction='none'``, then a mean over the non-batch dimensions weighed per sample, as
-    diffusion trainers write it: backward hands the loss a grad_output expanded over them."""
+def per_sample_rows(shape: tuple[int, ...] = (64, 16, 256, 256)) -> list[dict]:
+    """``reduction='none'``, then a per-sample reduction over the non-batch dimensions: a sum
+    (a VAE's reconstruction loss; backward hands the loss a grad_output expanded over them)
+    and a mean weighed per sample (diffusion trainers; a mean's backward writes a grad_output
+    of the loss's size)."""
     torch.manual_seed(0)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         p, t = seed_inputs(shape, dtype, "cuda")
         w = torch.rand(shape[0], device="cuda", dtype=dtype)
 
-        def written_with(mse: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+        def summed(mse: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+            return lambda a, b: mse(a, b, reduction="none").sum(dim=(1, 2, 3)).mean()
+
+        def averaged(mse: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
             return lambda a, b: (mse(a, b, reduction="none").mean(dim=(1, 2, 3)) * w).mean()
 
-        label = f"mse 'none'.mean(dim=(1, 2, 3)) * w, {_dtype_name(dtype)}"
-        rows.append(_loss_row(label, written_with(fusedloss.mse_loss), written_with(F.mse_loss), p, t))
+        for label, written_with in (("sum(1, 2, 3).mean()", summed), ("(mean(1, 2, 3) * w).mean()", averaged)):
+            rows.append(_loss_row(f"mse none, {label}, {_dtype_name(dtype)}", written_with(fusedloss.mse_loss),
+                                  written_with(F.mse_loss), p, t))
     return rows
 
 
@@ -389,7 +395,7 @@ def run_all(out_dir: Path, exponents: Iterable[int] | None = None) -> None:
     except ImportError:  # matplotlib is in the bench extra; the CSV holds the numbers
         report(f"latency written to {out_dir / 'latency.csv'} (no matplotlib: no plot)")
     report("\nTraining steps, device time (CUDA events); AMP rows: fused/eager/compile all under autocast")
-    report(_format_device(amp_rows() + [quarter_loss_row()] + mean_over_dimensions_rows()))
+    report(_format_device(amp_rows() + [quarter_loss_row()] + per_sample_rows()))
     report.save()
     report("\nConv net + MSE, forward + backward, device time: fused = compiled whole (fullgraph=True) with "
            "fusedloss.mse_loss, compile = the same with F.mse_loss, eager = F uncompiled")
