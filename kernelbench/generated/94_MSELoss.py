@@ -320,7 +320,7 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const voi
                                            cudaStream_t stream);
 
 // The same for a grad_output that broadcasts to the loss's shape (the backward
-// of a mean over some dimensions expands one), read where it lies, laid out as
+// of a sum over some dimensions expands one), read where it lies, laid out as
 // a weight is (ElementWeight).
 cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem, const ElementWeight& grad_output,
                                                      void* grad_input, void* grad_target, cudaStream_t stream);
@@ -647,7 +647,7 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
 
 // grad_output as the kernels read it: one value (the backward of .sum() or
 // .mean()), of the loss's shape, or expanded over some dimensions (the
-// backward of a mean over those), which is read where it lies, as a weight is.
+// backward of a sum over those), which is read where it lies, as a weight is.
 std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
                                                            const at::Tensor& input,
                                                            const at::Tensor& target,
@@ -1093,7 +1093,7 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const voi
                                            cudaStream_t stream);
 
 // The same for a grad_output that broadcasts to the loss's shape (the backward
-// of a mean over some dimensions expands one), read where it lies, laid out as
+// of a sum over some dimensions expands one), read where it lies, laid out as
 // a weight is (ElementWeight).
 cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem, const ElementWeight& grad_output,
                                                      void* grad_input, void* grad_target, cudaStream_t stream);
@@ -1617,7 +1617,7 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
 // The gradients of reduction='none' that kGrads names, times grad_output: of
 // the loss's shape or one value (Unweighted), or with a Weighted policy one that
 // broadcasts to the loss's shape, read where it lies as a weight is (the backward
-// of a mean over some dimensions hands over such an expanded grad_output).
+// of a sum over some dimensions hands over such an expanded grad_output).
 template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;

@@ -321,7 +321,7 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
 
 // grad_output as the kernels read it: one value (the backward of .sum() or
 // .mean()), of the loss's shape, or expanded over some dimensions (the
-// backward of a mean over those), which is read where it lies, as a weight is.
+// backward of a sum over those), which is read where it lies, as a weight is.
 std::tuple<at::Tensor, at::Tensor> pointwise_loss_backward(const at::Tensor& grad_output,
                                                            const at::Tensor& input,
                                                            const at::Tensor& target,

@@ -125,7 +125,7 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& problem, const voi
                                            cudaStream_t stream);
 
 // The same for a grad_output that broadcasts to the loss's shape (the backward
-// of a mean over some dimensions expands one), read where it lies, laid out as
+// of a sum over some dimensions expands one), read where it lies, laid out as
 // a weight is (ElementWeight).
 cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem, const ElementWeight& grad_output,
                                                      void* grad_input, void* grad_target, cudaStream_t stream);

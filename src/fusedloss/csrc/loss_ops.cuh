@@ -330,7 +330,7 @@ struct PointwiseLossOp : PairOp<Loss, In, Tgt> {
 // The gradients of reduction='none' that kGrads names, times grad_output: of
 // the loss's shape or one value (Unweighted), or with a Weighted policy one that
 // broadcasts to the loss's shape, read where it lies as a weight is (the backward
-// of a mean over some dimensions hands over such an expanded grad_output).
+// of a sum over some dimensions hands over such an expanded grad_output).
 template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
