@@ -373,6 +373,46 @@ def test_grad_output_expanded_by_a_sum_is_not_copied(name, dims):
     assert peak < gradient + 2 * x.numel(), f"peak {peak} bytes against {gradient} for the gradient"
 
 
+@requires_cuda
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("case", ["per sample", "middle"])
+def test_grad_output_expanded_by_a_sum_without_sync_and_in_a_graph(cuda_kernels, name, case):
+    """The expanded grad_output's backward syncs nothing with the host and replays from a
+    CUDA graph with eager's bits."""
+    shape, dims = SUMMED_DIMS[case]
+    static_x = _leaf(heavy_tailed(shape, device="cuda"))
+    static_t = heavy_tailed(shape, device="cuda")
+    weights = torch.randn(static_x.sum(dim=dims).shape, device="cuda")
+
+    def step(x, t):
+        x.grad = None
+        (_loss(name, OURS, x, t, "none").sum(dim=dims) * weights).sum().backward()
+        return x.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static_x, static_t)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(static_x, static_t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grad = step(static_x, static_t)
+    for _ in range(2):
+        with torch.no_grad():
+            static_x.copy_(heavy_tailed(shape, device="cuda"))
+            static_t.copy_(heavy_tailed(shape, device="cuda"))
+        graph.replay()
+        eager = step(_leaf(static_x), static_t)
+        assert torch.equal(static_grad, eager)
+
+
 # ---- 3. in-place modification after the forward; gradients kept across steps ---------------
 
 MUTATIONS = ["input_nonleaf", "view_base", "detached_alias", "leaf_step", "target", "target_detached_from_leaf"]
