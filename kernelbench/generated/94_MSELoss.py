@@ -1276,9 +1276,11 @@ inline int64_t num_tiles(int64_t n) {
   return (n + kTileElements<Op> - 1) / kTileElements<Op>;
 }
 
-// Sum over the block, in a fixed order; the result is valid in thread 0.
+// Sum over a block of kThreads threads, in a fixed order; the result is valid in thread 0.
+template <int kThreads = kBlockThreads>
 __device__ __forceinline__ double block_sum(double v) {
-  __shared__ double warp_sums[kBlockThreads / 32];
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024);
+  __shared__ double warp_sums[kThreads / 32];
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
   const int lane = threadIdx.x % 32;
@@ -1286,7 +1288,7 @@ __device__ __forceinline__ double block_sum(double v) {
   if (lane == 0) warp_sums[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < kBlockThreads / 32 ? warp_sums[lane] : 0.0;
+    v = lane < kThreads / 32 ? warp_sums[lane] : 0.0;
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
   }
@@ -1334,6 +1336,7 @@ struct Unweighted {
   static constexpr bool kHasGradient = false;
   template <int kVec>
   static constexpr int kBlocksPerSmFor = fusedloss::kBlocksPerSm;
+  static constexpr int kTileLengthFactor = 1;
   template <int W, typename T>
   struct Values {};
   template <int W, typename T>
@@ -1354,6 +1357,10 @@ struct Weighted {
   // (16-bit operands) more than 40.
   template <int kVec>
   static constexpr int kBlocksPerSmFor = kVec >= 8 ? 5 : 6;
+  // A reduction's tiles are twice an unweighted one's: each tile reads the factor, sums
+  // its block and stores a partial, and a 16-bit pass lost bandwidth to those at the
+  // shorter length.
+  static constexpr int kTileLengthFactor = 2;
   using Stored = T;  // float32, or float64 with fp64 operands (ElementWeight)
   template <int W, typename V>
   struct Values {
@@ -1532,11 +1539,11 @@ struct PairOp {
 };
 
 // Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
-// A thread takes two chunks per tile where they fit 64 bytes: a read-only
-// pass's blocks retire so fast that per-block work would otherwise show. A pass that
-// writes gradients loads them one after the other (both at once spill at 32
-// registers), but its tiles and sums are the same, so the loss has the same
-// bits whichever gradients are written.
+// A thread takes two chunks per tile where they fit 64 bytes (times the weights'
+// kTileLengthFactor): a read-only pass's blocks retire so fast that per-block work would
+// otherwise show. A read-only pass loads two chunks at once; a pass that writes gradients
+// loads them one after the other (both at once spill at 32 registers), but its tiles and
+// sums are the same, so the loss has the same bits whichever gradients are written.
 template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
@@ -1545,8 +1552,9 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   struct Chunk : Base::template Chunk<W> {
     typename Weights::template Values<W, T> weight;
   };
-  static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
-  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
+  static constexpr int kChunksPerUnweightedTile = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksPerThread = kChunksPerUnweightedTile * Weights::kTileLengthFactor;
+  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerUnweightedTile : 1;
 
   static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
   using typename Base::Out;
@@ -2163,14 +2171,31 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) weighted_redu
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// The partials added in a fixed order, times the scale, rounded once.
+// The partials added in a fixed order, times the scale, rounded once, by one
+// block. Each thread keeps kFinishLoadsInFlight loads in flight: a walk that
+// waits for each load before the next is bound by latency.
+constexpr int kFinishThreads = 1024;
+constexpr int kFinishLoadsInFlight = 8;
+
 template <typename Out, class Weights>
-__global__ void __launch_bounds__(kBlockThreads) finish_weighted_reduction_kernel(const double* partials,
-                                                                                  int64_t count, Weights weights,
-                                                                                  Out* out) {
+__global__ void __launch_bounds__(kFinishThreads) finish_weighted_reduction_kernel(const double* partials,
+                                                                                   int64_t count, Weights weights,
+                                                                                   Out* out) {
+  constexpr int64_t kStride = kFinishThreads;
+  double sums[kFinishLoadsInFlight] = {};
+  int64_t i = threadIdx.x;
+  for (; i + (kFinishLoadsInFlight - 1) * kStride < count; i += kFinishLoadsInFlight * kStride) {
+#pragma unroll
+    for (int j = 0; j < kFinishLoadsInFlight; ++j) sums[j] += partials[i + j * kStride];
+  }
+#pragma unroll
+  for (int j = 0; j < kFinishLoadsInFlight; ++j) {
+    if (i + j * kStride < count) sums[j] += partials[i + j * kStride];
+  }
   double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < count; i += kBlockThreads) sum += partials[i];
-  const double total = block_sum(sum);
+#pragma unroll
+  for (int j = 0; j < kFinishLoadsInFlight; ++j) sum += sums[j];
+  const double total = block_sum<kFinishThreads>(sum);
   if (threadIdx.x == 0) *out = Convert<Out>::from(total * weights.factor());
 }
 

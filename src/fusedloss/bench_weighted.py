@@ -20,8 +20,8 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
      user:  (F.mse_loss(p, t, reduction="none") * w).mean()
      fused: fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel())
 2. Masked MSE, as masked pretraining (MAE) writes it: a (B, T, D) = (32, 4096, 256) series
-   (2^25 elements), float32 and bfloat16, a 0/1 token mask (B, T) of random lengths T/2..T;
-   the count is computed inside every step.
+   (2^25 elements), float32 and bfloat16, and (32, 4096, 1024) = 2^27 elements, float32; a
+   0/1 token mask (B, T) of random lengths T/2..T; the count is computed inside every step.
    read input + read target + write grad_input.
      user:  (F.mse_loss(p, t, reduction="none").mean(dim=-1) * mask).sum() / mask.sum()
      fused: fusedloss.mse_loss(p, t, weight=mask[..., None], reduction="sum",
@@ -88,6 +88,7 @@ SYSTEMS = ("fused", "eager", "compile")
 DTYPES = (torch.float32, torch.bfloat16)
 GRAPHCAST_SHAPE = (1, 227, 721, 1440)
 MASKED_SHAPE = (32, 4096, 256)
+MASKED_LARGE_SHAPE = (32, 4096, 1024)
 DIFFUSION_BATCHES = (16, 32, 64, 128)
 LATENT = (4, 128, 128)
 PSEUDO_HUBER_SHAPE = (64, 4, 1024, 1024)
@@ -337,6 +338,7 @@ def jobs(log: Callable[[str], None] = print) -> list[tuple[str, Callable[[], dic
     return ([("graphcast", functools.partial(graphcast_row, dtype, log=log)) for dtype in DTYPES]
             + [("masked", functools.partial(masked_row, dtype, log=log)) for dtype in DTYPES]
             + [("masked", functools.partial(masked_row, torch.float32, log=log, builtin_mean=True))]
+            + [("masked", functools.partial(masked_row, torch.float32, MASKED_LARGE_SHAPE, log=log))]
             + [("diffusion", functools.partial(diffusion_row, batch, log=log)) for batch in DIFFUSION_BATCHES]
             + [("pseudo_huber", functools.partial(pseudo_huber_row, dtype, log=log)) for dtype in DTYPES]
             + [("pseudo_huber", functools.partial(pseudo_huber_tensor_c_row, log=log))]

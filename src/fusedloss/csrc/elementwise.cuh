@@ -88,9 +88,11 @@ inline int64_t num_tiles(int64_t n) {
   return (n + kTileElements<Op> - 1) / kTileElements<Op>;
 }
 
-// Sum over the block, in a fixed order; the result is valid in thread 0.
+// Sum over a block of kThreads threads, in a fixed order; the result is valid in thread 0.
+template <int kThreads = kBlockThreads>
 __device__ __forceinline__ double block_sum(double v) {
-  __shared__ double warp_sums[kBlockThreads / 32];
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024);
+  __shared__ double warp_sums[kThreads / 32];
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
   const int lane = threadIdx.x % 32;
@@ -98,7 +100,7 @@ __device__ __forceinline__ double block_sum(double v) {
   if (lane == 0) warp_sums[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < kBlockThreads / 32 ? warp_sums[lane] : 0.0;
+    v = lane < kThreads / 32 ? warp_sums[lane] : 0.0;
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
   }

@@ -116,14 +116,31 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) weighted_redu
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// The partials added in a fixed order, times the scale, rounded once.
+// The partials added in a fixed order, times the scale, rounded once, by one
+// block. Each thread keeps kFinishLoadsInFlight loads in flight: a walk that
+// waits for each load before the next is bound by latency.
+constexpr int kFinishThreads = 1024;
+constexpr int kFinishLoadsInFlight = 8;
+
 template <typename Out, class Weights>
-__global__ void __launch_bounds__(kBlockThreads) finish_weighted_reduction_kernel(const double* partials,
-                                                                                  int64_t count, Weights weights,
-                                                                                  Out* out) {
+__global__ void __launch_bounds__(kFinishThreads) finish_weighted_reduction_kernel(const double* partials,
+                                                                                   int64_t count, Weights weights,
+                                                                                   Out* out) {
+  constexpr int64_t kStride = kFinishThreads;
+  double sums[kFinishLoadsInFlight] = {};
+  int64_t i = threadIdx.x;
+  for (; i + (kFinishLoadsInFlight - 1) * kStride < count; i += kFinishLoadsInFlight * kStride) {
+#pragma unroll
+    for (int j = 0; j < kFinishLoadsInFlight; ++j) sums[j] += partials[i + j * kStride];
+  }
+#pragma unroll
+  for (int j = 0; j < kFinishLoadsInFlight; ++j) {
+    if (i + j * kStride < count) sums[j] += partials[i + j * kStride];
+  }
   double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < count; i += kBlockThreads) sum += partials[i];
-  const double total = block_sum(sum);
+#pragma unroll
+  for (int j = 0; j < kFinishLoadsInFlight; ++j) sum += sums[j];
+  const double total = block_sum<kFinishThreads>(sum);
   if (threadIdx.x == 0) *out = Convert<Out>::from(total * weights.factor());
 }
 

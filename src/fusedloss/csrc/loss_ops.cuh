@@ -47,6 +47,7 @@ struct Unweighted {
   static constexpr bool kHasGradient = false;
   template <int kVec>
   static constexpr int kBlocksPerSmFor = fusedloss::kBlocksPerSm;
+  static constexpr int kTileLengthFactor = 1;
   template <int W, typename T>
   struct Values {};
   template <int W, typename T>
@@ -67,6 +68,10 @@ struct Weighted {
   // (16-bit operands) more than 40.
   template <int kVec>
   static constexpr int kBlocksPerSmFor = kVec >= 8 ? 5 : 6;
+  // A reduction's tiles are twice an unweighted one's: each tile reads the factor, sums
+  // its block and stores a partial, and a 16-bit pass lost bandwidth to those at the
+  // shorter length.
+  static constexpr int kTileLengthFactor = 2;
   using Stored = T;  // float32, or float64 with fp64 operands (ElementWeight)
   template <int W, typename V>
   struct Values {
@@ -245,11 +250,11 @@ struct PairOp {
 };
 
 // Loss sums (per thread, then per tile), plus the gradients (times grad_scale) that kGrads names.
-// A thread takes two chunks per tile where they fit 64 bytes: a read-only
-// pass's blocks retire so fast that per-block work would otherwise show. A pass that
-// writes gradients loads them one after the other (both at once spill at 32
-// registers), but its tiles and sums are the same, so the loss has the same
-// bits whichever gradients are written.
+// A thread takes two chunks per tile where they fit 64 bytes (times the weights'
+// kTileLengthFactor): a read-only pass's blocks retire so fast that per-block work would
+// otherwise show. A read-only pass loads two chunks at once; a pass that writes gradients
+// loads them one after the other (both at once spill at 32 registers), but its tiles and
+// sums are the same, so the loss has the same bits whichever gradients are written.
 template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
@@ -258,8 +263,9 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   struct Chunk : Base::template Chunk<W> {
     typename Weights::template Values<W, T> weight;
   };
-  static constexpr int kChunksPerThread = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
-  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerThread : 1;
+  static constexpr int kChunksPerUnweightedTile = Base::kVec * (sizeof(In) + sizeof(Tgt)) <= 32 ? 2 : 1;
+  static constexpr int kChunksPerThread = kChunksPerUnweightedTile * Weights::kTileLengthFactor;
+  static constexpr int kChunksInFlight = kGrads == Grads::kNone ? kChunksPerUnweightedTile : 1;
 
   static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
   using typename Base::Out;

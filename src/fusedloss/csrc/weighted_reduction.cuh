@@ -45,7 +45,7 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
       if (err != cudaSuccess) return err;
     }
     using Out = typename Op::Out;
-    finish_weighted_reduction_kernel<Out><<<1, kBlockThreads, 0, stream>>>(partials, tiles, op.weights,
+    finish_weighted_reduction_kernel<Out><<<1, kFinishThreads, 0, stream>>>(partials, tiles, op.weights,
                                                                            static_cast<Out*>(out));
     return cudaGetLastError();
   });
