@@ -88,8 +88,15 @@ def main() -> None:
             with torch.no_grad():
                 fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs)
         cases += 1
+    # A weight of five runs, expanded over its shortest broadcast run first.
+    for name, (fn, kwargs) in LOSSES.items():
+        input, target = (operand(3 * 4 * 5 * 6 * 7, torch.float32, 1).view(3, 4, 5, 6, 7) for _ in range(2))
+        weight = torch.rand(3, 1, 5, 1, 7, device="cuda")
+        fn(input, target, weight=weight, scale=0.5, **kwargs).backward()
+        cases += 1
     # reduction='none' then a sum over some dimensions: backward reads the expanded
-    # grad_output where it lies (one to four runs; six are copied instead).
+    # grad_output where it lies (one to four runs; six are expanded over their shortest
+    # broadcast run first).
     for (name, (fn, kwargs)), (in_dtype, tgt_dtype), (shape, dims) in itertools.product(
         LOSSES.items(), DTYPE_PAIRS, EXPANDED_BY_A_MEAN
     ):

@@ -1126,7 +1126,8 @@ def test_cuda_weight_gradient_pass_writes_no_copy(cuda):
 
 # (loss shape, weight shape): the weight's runs of dimensions (ElementWeight) one to four,
 # innermost runs long and short, of a multiple of 8 weights (vector loads) or not, shorter
-# than a chunk (every chunk walks), and five or six runs (expanded first).
+# than a chunk (every chunk walks), and five or six runs (expanded over their shortest
+# broadcast runs first).
 WEIGHT_LAYOUTS = [
     ((6, 5, 8, 16), (6, 1, 8, 16)),  # a spatial mask
     ((6, 5, 8, 16), (1, 5, 1, 16)),
@@ -1187,6 +1188,28 @@ def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_k
                                            "channel-row": (1, 5, 7, 1), "0-d": (), "sample-row": (4, 1, 7, 1),
                                            "spatial-mask": (4, 1, 7, 1 << 15),
                                            "channel-column": (1, 5, 1, 1 << 15), "own-size": shape}[weight_kind])
+    with torch.no_grad():
+        weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+    assert extra < x.numel() * x.element_size() // 8, f"{extra} bytes for {x.numel()} elements"
+    assert_close64(out, reference64(name, x, y, reduction, weight, 0.5))
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_weight_of_more_runs_is_expanded_over_its_shortest_broadcast(cuda, name, reduction):
+    """A weight of more runs than the kernels take (W, H, T, C and B alternate between
+    spanned and broadcast) is expanded over its shortest broadcast run only, H, which
+    merges T, H and W into one run: N / C weights, not N."""
+    shape = (4, 16, 5, 8, 1 << 12)  # (B, C, T, H, W)
+    x, y = operands(shape, cuda)
+    weight = make_weight("positive", cuda, shape=(4, 1, 5, 1, 1 << 12))
     with torch.no_grad():
         weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)  # warm-up
         torch.cuda.synchronize()

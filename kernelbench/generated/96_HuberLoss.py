@@ -592,33 +592,53 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   const int64_t rank = static_cast<int64_t>(shape.size());
   const int64_t skip = rank - w.dim();
   TORCH_CHECK(skip >= 0, "fusedloss: a weight of shape ", w.sizes(), " does not broadcast to the loss's shape ", shape);
+  // The weight's size along each of the loss's dimensions (1 where it broadcasts).
+  std::vector<int64_t> sizes(rank, 1);
+  for (int64_t i = skip; i < rank; ++i) {
+    sizes[i] = w.size(i - skip);
+    TORCH_CHECK(sizes[i] == shape[i] || sizes[i] == 1, "fusedloss: a weight of shape ", w.sizes(),
+                " does not broadcast to the loss's shape ", shape);
+  }
   // The loss's dimensions of size > 1, merged into runs the weight spans or broadcasts over.
   struct Run {
     int64_t size;
     bool spanned;
+    int64_t first_dim, last_dim;  // the loss's dimensions it merges
   };
-  std::vector<Run> runs;  // innermost first
-  for (int64_t i = rank - 1; i >= 0; --i) {
-    const int64_t size = i < skip ? 1 : w.size(i - skip);
-    TORCH_CHECK(size == shape[i] || size == 1, "fusedloss: a weight of shape ", w.sizes(),
-                " does not broadcast to the loss's shape ", shape);
-    if (shape[i] == 1) continue;
-    const bool spanned = size != 1;
-    if (!runs.empty() && runs.back().spanned == spanned) {
-      runs.back().size *= shape[i];
-    } else {
-      runs.push_back({shape[i], spanned});
+  const auto runs_of = [&] {
+    std::vector<Run> runs;  // innermost first
+    for (int64_t i = rank - 1; i >= 0; --i) {
+      if (shape[i] == 1) continue;
+      const bool spanned = sizes[i] != 1;
+      if (!runs.empty() && runs.back().spanned == spanned) {
+        runs.back().size *= shape[i];
+        runs.back().first_dim = i;
+      } else {
+        runs.push_back({shape[i], spanned, i, i});
+      }
     }
-  }
-  if (!runs.empty() && !runs.back().spanned) runs.pop_back();
+    if (!runs.empty() && !runs.back().spanned) runs.pop_back();
+    return runs;
+  };
+  std::vector<Run> runs = runs_of();
   const int64_t numel = c10::multiply_integers(shape);
   if (numel == 0) runs.clear();  // nothing to read, and no run to divide by
-  at::Tensor stored = as_dtype(w, math_dtype);
   const bool index_32bit = numel <= static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
-  if (static_cast<int64_t>(runs.size()) > (index_32bit ? kWeightRuns : kWideWeightRuns)) {
-    stored = stored.expand(shape);
-    runs = {{numel, true}};
+  // More runs than the kernels take: the weight is expanded over its shortest broadcast
+  // run, which merges that run with its neighbours, until the runs fit. It then has a
+  // fraction of the loss's size, not the whole.
+  bool expanded = false;
+  while (static_cast<int64_t>(runs.size()) > (index_32bit ? kWeightRuns : kWideWeightRuns)) {
+    const Run* shortest = nullptr;
+    for (const Run& run : runs) {
+      if (!run.spanned && (shortest == nullptr || run.size < shortest->size)) shortest = &run;
+    }
+    for (int64_t i = shortest->first_dim; i <= shortest->last_dim; ++i) sizes[i] = shape[i];
+    runs = runs_of();
+    expanded = true;
   }
+  at::Tensor stored = as_dtype(w, math_dtype);
+  if (expanded) stored = stored.expand(sizes);
   out.tensor = as_kernel_layout(stored);
   ElementWeight& layout = out.layout;
   layout.weight = out.tensor.data_ptr();
