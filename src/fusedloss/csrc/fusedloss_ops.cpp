@@ -298,21 +298,29 @@ KernelWeight as_kernel_weight(const c10::optional<at::Tensor>& weight, at::IntAr
   const int64_t numel = c10::multiply_integers(shape);
   if (numel == 0) runs.clear();  // nothing to read, and no run to divide by
   const bool index_32bit = numel <= static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
-  // More runs than the kernels take: the weight is expanded over its shortest broadcast
-  // run, which merges that run with its neighbours, until the runs fit. It then has a
-  // fraction of the loss's size, not the whole.
-  bool expanded = false;
-  while (static_cast<int64_t>(runs.size()) > (index_32bit ? kWeightRuns : kWideWeightRuns)) {
-    const Run* shortest = nullptr;
-    for (const Run& run : runs) {
-      if (!run.spanned && (shortest == nullptr || run.size < shortest->size)) shortest = &run;
-    }
-    for (int64_t i = shortest->first_dim; i <= shortest->last_dim; ++i) sizes[i] = shape[i];
-    runs = runs_of();
-    expanded = true;
-  }
   at::Tensor stored = as_dtype(w, math_dtype);
-  if (expanded) stored = stored.expand(sizes);
+  const int64_t max_runs = index_32bit ? kWeightRuns : kWideWeightRuns;
+  if (static_cast<int64_t>(runs.size()) > max_runs) {
+    // More runs than the kernels take: the weight is first expanded over the shortest
+    // broadcast runs between two spanned ones, each of which merges three runs into
+    // one, until the runs fit; it grows by the product of their lengths. (A broadcast
+    // innermost run merges two, and expanding it too never saves one, since then the
+    // count of runs is even, as both limits are.)
+    static_assert(kWeightRuns % 2 == 0 && kWideWeightRuns % 2 == 0);
+    std::vector<Run> between;
+    for (size_t r = 1; r < runs.size(); ++r) {
+      if (!runs[r].spanned) between.push_back(runs[r]);
+    }
+    std::sort(between.begin(), between.end(), [](const Run& a, const Run& b) { return a.size < b.size; });
+    const int64_t merges = (static_cast<int64_t>(runs.size()) - max_runs + 1) / 2;
+    TORCH_INTERNAL_ASSERT(merges <= static_cast<int64_t>(between.size()));
+    for (int64_t m = 0; m < merges; ++m) {
+      for (int64_t i = between[m].first_dim; i <= between[m].last_dim; ++i) sizes[i] = shape[i];
+    }
+    runs = runs_of();
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(runs.size()) <= max_runs);
+    stored = stored.expand(sizes);
+  }
   out.tensor = as_kernel_layout(stored);
   ElementWeight& layout = out.layout;
   layout.weight = out.tensor.data_ptr();
