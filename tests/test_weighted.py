@@ -1174,6 +1174,19 @@ def test_cuda_weight_read_in_place_has_the_expanded_weights_bits(cuda, name, lay
     assert_gradient_close64(results[0][1], torch.autograd.grad(expected, x64)[0])
 
 
+def _no_grad_loss_and_its_memory(name, x, y, reduction, weight):
+    """The weighted loss without gradients (scale 0.5), and the most memory it allocated
+    beyond what was allocated before, after a warm-up call."""
+    with torch.no_grad():
+        weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - before
+
+
 @requires_cuda
 @pytest.mark.parametrize("weight_kind", ["per-sample", "per-channel", "channel-row", "0-d", "spatial-mask",
                                          "channel-column", "sample-row", "own-size"])
@@ -1188,14 +1201,7 @@ def test_cuda_broadcast_weight_is_never_expanded(cuda, name, reduction, weight_k
                                            "channel-row": (1, 5, 7, 1), "0-d": (), "sample-row": (4, 1, 7, 1),
                                            "spatial-mask": (4, 1, 7, 1 << 15),
                                            "channel-column": (1, 5, 1, 1 << 15), "own-size": shape}[weight_kind])
-    with torch.no_grad():
-        weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)  # warm-up
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out = weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - before
+    out, extra = _no_grad_loss_and_its_memory(name, x, y, reduction, weight)
     assert extra < x.numel() * x.element_size() // 8, f"{extra} bytes for {x.numel()} elements"
     assert_close64(out, reference64(name, x, y, reduction, weight, 0.5))
 
@@ -1210,14 +1216,7 @@ def test_cuda_weight_of_more_runs_is_expanded_over_its_shortest_broadcast(cuda, 
     shape = (4, 16, 5, 8, 1 << 12)  # (B, C, T, H, W)
     x, y = operands(shape, cuda)
     weight = make_weight("positive", cuda, shape=(4, 1, 5, 1, 1 << 12))
-    with torch.no_grad():
-        weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)  # warm-up
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out = weighted_loss(name, x, y, reduction, weight=weight, scale=0.5)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - before
+    out, extra = _no_grad_loss_and_its_memory(name, x, y, reduction, weight)
     assert extra < x.numel() * x.element_size() // 8, f"{extra} bytes for {x.numel()} elements"
     assert_close64(out, reference64(name, x, y, reduction, weight, 0.5))
 
