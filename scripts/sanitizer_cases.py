@@ -8,8 +8,8 @@ tile per block), and the autocast kernels that read 16-bit operands; the
 weighted reductions with each weight layout (none, one value, one to three
 runs of dimensions, runs shorter than a chunk, the loss's own size), scale
 on the host and on the device, and a weight that requires grad (its gradient
-written beside the input's); reduction='none' backward with a grad_output
-expanded by a sum over some dimensions.
+written beside the input's), and a weight of five runs; reduction='none' backward
+with a grad_output expanded by a sum over some dimensions.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ AUTOCAST_PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float3
 SIZES = (4099, 40_009, 2_100_001)
 # Loss shapes and the dimensions a sum takes: per sample, last, middle, outer and
 # inner (short runs), and six alternating runs.
-EXPANDED_BY_A_MEAN = [((6, 5, 7, 9), (1, 2, 3)), ((7, 33, 65), (2,)), ((6, 5, 7, 9), (1,)), ((6, 5, 7, 3), (0, 3)),
+EXPANDED_BY_A_SUM = [((6, 5, 7, 9), (1, 2, 3)), ((7, 33, 65), (2,)), ((6, 5, 7, 9), (1,)), ((6, 5, 7, 3), (0, 3)),
                       ((3, 5, 2, 4, 2, 3), (1, 3, 5))]
 
 
@@ -88,17 +88,17 @@ def main() -> None:
             with torch.no_grad():
                 fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs)
         cases += 1
-    # A weight of five runs, expanded over its shortest broadcast run first.
+    # A weight of five runs, expanded first over the shortest broadcast run between spanned ones.
     for name, (fn, kwargs) in LOSSES.items():
         input, target = (operand(3 * 4 * 5 * 6 * 7, torch.float32, 1).view(3, 4, 5, 6, 7) for _ in range(2))
         weight = torch.rand(3, 1, 5, 1, 7, device="cuda")
         fn(input, target, weight=weight, scale=0.5, **kwargs).backward()
         cases += 1
     # reduction='none' then a sum over some dimensions: backward reads the expanded
-    # grad_output where it lies (one to four runs; six are expanded over their shortest
-    # broadcast run first).
+    # grad_output where it lies (one to four runs; six are expanded first over the
+    # shortest broadcast run between spanned ones).
     for (name, (fn, kwargs)), (in_dtype, tgt_dtype), (shape, dims) in itertools.product(
-        LOSSES.items(), DTYPE_PAIRS, EXPANDED_BY_A_MEAN
+        LOSSES.items(), DTYPE_PAIRS, EXPANDED_BY_A_SUM
     ):
         n = math.prod(shape)
         for offset in (0, 1):

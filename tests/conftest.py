@@ -70,6 +70,17 @@ def fresh_seed():
     return seed
 
 
+def warm_up_for_capture(step, *args, steps: int = 3) -> None:
+    """`step(*args)` a few times on a side stream, then joined to the current one: the
+    warm-up CUDA graph capture asks for."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(steps):
+            step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def heavy_tailed(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """Symmetric Pareto-like values: about 3/4 within (-1, 1), the rest out to ~1e3,
     so both branches of Smooth L1 and Huber are taken."""

@@ -8,7 +8,7 @@ import torch
 import fusedloss
 from fusedloss import build, functional, gradient_placement
 
-from conftest import LOSSES, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda
+from conftest import LOSSES, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda, warm_up_for_capture
 
 pytestmark = requires_cuda
 REDUCTIONS = ("none", "mean", "sum")
@@ -368,12 +368,7 @@ def test_manual_cuda_graph_capture_of_a_training_step(name, gradient_in_backward
         (_loss(name, 0, input, target, "mean") * static_scale).backward()
         return input.grad
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step)
     # The warm-up steps' note says "scaled"; capture either placement (gradient_placement).
     torch.cuda.synchronize()
     param = PARAMS[name] if name in ("smooth_l1", "huber") else 0.0  # as fusedloss.functional passes it

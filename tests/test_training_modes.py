@@ -54,7 +54,7 @@ import fusedloss.nn
 from fusedloss import build, formulas, functional
 
 from conftest import LOSSES, TOLERANCE, as_seen_by_gradient, float64_reference, heavy_tailed, loss_kwargs, \
-    requires_cuda
+    requires_cuda, warm_up_for_capture
 
 OURS, TORCH = 0, 1  # index into a LOSSES row
 REDUCTIONS = ("mean", "sum", "none")
@@ -389,12 +389,7 @@ def test_grad_output_expanded_by_a_sum_without_sync_and_in_a_graph(cuda_kernels,
         (_loss(name, OURS, x, t, "none").sum(dim=dims) * weights).sum().backward()
         return x.grad
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(static_x, static_t)
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(step, static_x, static_t)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -790,12 +785,7 @@ def test_cuda_graph_training_step_replays_eager_bits(cuda_kernels, name, reducti
                 return out, x.grad, t.grad
             return (out, *torch.autograd.grad(scaled, (x, t)))
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step(static_x, static_t)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_for_capture(step, static_x, static_t)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out, static_gx, static_gt = step(static_x, static_t)

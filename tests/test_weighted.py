@@ -48,7 +48,7 @@ import fusedloss
 import fusedloss.nn
 from fusedloss import build, functional
 
-from conftest import TOLERANCE, heavy_tailed, requires_cuda
+from conftest import TOLERANCE, heavy_tailed, requires_cuda, warm_up_for_capture
 
 NAMES = ("mse", "l1", "smooth_l1", "huber", "pseudo_huber")
 PARAM_KEYWORD = {"smooth_l1": "beta", "huber": "delta", "pseudo_huber": "c"}
@@ -963,12 +963,7 @@ def test_cuda_graph_replay_reads_the_new_scale(cuda, name, reduction, threshold,
             out.sum().backward()
             return out, x.grad, y.grad, weight.grad
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_for_capture(step)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = step()
