@@ -1,8 +1,8 @@
 """Every fusedloss kernel once, at small sizes, for compute-sanitizer (scripts/sanitize.sh).
 
 Losses x reductions x dtype pairs, forward and backward (input and target
-gradients, grad_output == 1 and != 1, written by the forward or recomputed in
-backward), 16-byte aligned and misaligned operands, lengths that leave a tail
+gradients, grad_output == 1 and != 1, written by the forward and corrected in
+backward where it expected another grad_output, or recomputed in backward), 16-byte aligned and misaligned operands, lengths that leave a tail
 after the last full vector, reductions of one block and of many (blockwise and
 tile per block), and the autocast kernels that read 16-bit operands; the
 weighted reductions with each weight layout (none, one value, one to three
@@ -47,15 +47,15 @@ def operand(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
 
 
 def main() -> None:
-    # The gradient written in the forward, and placement, at every size, not only from 128 MiB.
+    # The gradient written in the forward for the expected grad_output, at every size, not only from 128 MiB.
     functional.FUSED_GRADIENT_FROM_BYTES = 0
     cases = 0
     for (name, (fn, kwargs)), (in_dtype, tgt_dtype), reduction, offset, n in itertools.product(
         LOSSES.items(), DTYPE_PAIRS, ("none", "mean", "sum"), (0, 1), SIZES[:1]
     ):
         input, target = operand(n, in_dtype, offset), operand(n, tgt_dtype, offset)
-        # Reduced: the fused gradient scaled, then (the note of grad_output != 1 read
-        # after the sync) recomputed in backward.
+        # Reduced: the forward's gradient (for grad_output 1) corrected in backward, then
+        # (the note of grad_output 0.5 read after the sync) predicted.
         for _ in range(1 if reduction == "none" else 2):
             loss = fn(input, target, reduction=reduction, **kwargs)
             loss.sum().backward() if reduction == "none" else (loss * 0.5).backward()
@@ -82,9 +82,12 @@ def main() -> None:
         weight = None if weight_shape is None else torch.rand(weight_shape, device="cuda").requires_grad_(i % 2 == 0)
         scale = torch.tensor(0.25, device="cuda") if i % 3 else 0.5
         for reduction, fused_from in itertools.product(("mean", "sum"), (0, 1 << 62)):
-            # The gradient written by the forward's pass, then recomputed in backward.
+            # The gradient written by the forward's pass (corrected, then predicted), then
+            # recomputed in backward.
             functional.FUSED_GRADIENT_FROM_BYTES = fused_from
-            (fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs) * 0.5).backward()
+            for _ in range(2 if fused_from == 0 else 1):
+                (fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs) * 0.5).backward()
+                torch.cuda.synchronize()
             with torch.no_grad():
                 fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs)
         cases += 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build, functional, gradient_placement
+from fusedloss import build, functional, grad_output_prediction
 
 from conftest import LOSSES, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda, warm_up_for_capture
 
@@ -221,8 +221,10 @@ def test_peak_memory_of_a_training_step_is_not_above_eager(name, dtype, n, grad_
         return torch.cuda.max_memory_allocated() - before
 
     eager = peak(1)
-    # With grad_scale != 1 the second step leaves the gradient to backward.
-    fused = [peak(0), peak(0)]
+    # With grad_scale != 1 (at the sizes where the forward writes the gradient) the first
+    # step corrects the forward's gradient, the second computes it in backward, and the
+    # third expects it.
+    fused = [peak(0), peak(0), peak(0)]
     # Both hold one N-element gradient. The rest is small blocks: fusedloss's
     # reduction scratch must take no more than eager's staging for its mean.
     assert max(fused) <= eager
@@ -356,9 +358,9 @@ def test_compile_has_no_graph_break():
 
 
 @pytest.mark.parametrize("name", LOSSES)
-@pytest.mark.parametrize("gradient_in_backward", [False, True], ids=["fused", "recomputed"])
-def test_manual_cuda_graph_capture_of_a_training_step(name, gradient_in_backward, monkeypatch):
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)  # placement applies to this small loss
+@pytest.mark.parametrize("captured_expectation", [0.75, 1.0], ids=["predicted", "mispredicted"])
+def test_manual_cuda_graph_capture_of_a_training_step(name, captured_expectation, monkeypatch):
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)  # the forward writes this small loss's gradient
     input = torch.randn(4099, device="cuda", requires_grad=True)
     target = torch.randn(4099, device="cuda")
     static_scale = torch.tensor(0.75, device="cuda")
@@ -369,11 +371,11 @@ def test_manual_cuda_graph_capture_of_a_training_step(name, gradient_in_backward
         return input.grad
 
     warm_up_for_capture(step)
-    # The warm-up steps' note says "scaled"; capture either placement (gradient_placement).
+    # The warm-up steps noted 0.75; capture a forward that expects either (grad_output_prediction).
     torch.cuda.synchronize()
     param = PARAMS[name] if name in ("smooth_l1", "huber") else 0.0  # as fusedloss.functional passes it
-    slot = gradient_placement.history_slot(name, param, "mean", input, target)
-    gradient_placement._history[slot] = int(gradient_in_backward)
+    slot = grad_output_prediction.history_slot(name, param, "mean", input, target)
+    grad_output_prediction._history[2 * slot : 2 * slot + 2] = [captured_expectation, 0.0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_grad = step()

@@ -68,30 +68,33 @@ def test_operands_on_cuda1_are_computed_on_cuda1(name, reduction):
 
 @requires_two_gpus
 @pytest.mark.parametrize("name", LOSSES)
-def test_gradient_placement_on_cuda1(name, monkeypatch):
+def test_grad_output_prediction_on_cuda1(name, monkeypatch):
     """The notes of grad_output are host memory mapped for every device: a backward on
-    cuda:1 notes there, and the next forward on cuda:1 follows it, with the same bits."""
+    cuda:1 notes there, and the next forward on cuda:1 expects it, with the same bits."""
     from fusedloss import functional
 
-    masks = []
+    calls = []
     real = functional._reduced_loss
-    monkeypatch.setattr(functional, "_reduced_loss", lambda *args: masks.append(args[5]) or real(*args))
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)  # placement applies to this small loss
+    monkeypatch.setattr(functional, "_reduced_loss", lambda *args: calls.append(args[5:8]) or real(*args))
+    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)  # the forward writes this small loss's gradient
     input, target = heavy_tailed((1000, 37), device="cuda:1"), heavy_tailed((1000, 37), device="cuda:1")
     steps = []
     with torch.cuda.device(0):
-        for _ in range(2):
+        for _ in range(3):
             leaf = input.clone().requires_grad_()
             out = _loss(name, leaf, target)
             (out * 0.5).backward()
             torch.cuda.synchronize(1)  # the note is written
             steps.append((out, leaf.grad))
-    assert masks == [[True, False], [False, False]]  # fused, then recomputed in backward
-    for fused, recomputed in zip(*steps):
-        assert recomputed.device == torch.device("cuda:1") and torch.equal(fused, recomputed)
+    # Corrected in backward, then computed in backward after the misprediction, then expected.
+    assert [(call[0], call[2]) for call in calls] == [([True, False], 1.0), ([False, False], 0.5),
+                                                      ([True, False], 0.5)]
+    for step in steps[1:]:
+        for a, b in zip(steps[0], step):
+            assert b.device == torch.device("cuda:1") and torch.equal(a, b)
     i64 = input.double().requires_grad_()
     (formulas.torch_loss(i64, target.double(), name, PARAMS[name], "mean") * 0.5).backward()
-    torch.testing.assert_close(steps[1][1].double(), i64.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(steps[2][1].double(), i64.grad, rtol=1e-5, atol=1e-7)
 
 
 @requires_two_gpus

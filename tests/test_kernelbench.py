@@ -72,7 +72,7 @@ def test_generated_file_embeds_the_sources_and_keeps_the_problem(problem: export
     assert generated.OP_SCHEMAS == exporter.op_schemas()
     assert generated.NAMESPACE == exporter.NAMESPACE != "fusedloss"
     assert set(generated.OP_SCHEMAS) == {"pointwise_loss", "pointwise_loss_backward", "reduced_loss",
-                                         "reduced_loss_backward", "scale_", "grad_output_history"}
+                                         "reduced_loss_backward", "reduced_loss_backward_", "grad_output_history"}
     assert f'"{problem.loss}", {problem.param!r}, "mean"' in (GENERATED / f"{problem.name}.py").read_text()
     for name in ("batch_size", "input_shape", "dim"):
         assert getattr(generated, name) == getattr(reference, name)

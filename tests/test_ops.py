@@ -30,16 +30,17 @@ def kernels_loaded(request):
 
 
 def test_schemas():
-    for name in ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_",
-                 "grad_output_history", "loss_gradients", "weighted_loss", "weighted_loss_backward"):
+    for name in ("grad_output_history", "loss_gradients", *build.OPS):
         assert hasattr(torch.ops.fusedloss, name)
     schema = torch.ops.fusedloss.reduced_loss.default._schema
     assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask",
-                                                  "history_slot", "autocast"]
+                                                  "history_slot", "expected_grad_output", "autocast"]
     schema = torch.ops.fusedloss.reduced_loss_backward.default._schema
     assert [a.name for a in schema.arguments] == ["grad_output", "input", "target", "loss", "param", "reduction",
-                                                  "output_mask", "history_slot", "autocast"]
-    assert torch.ops.fusedloss.scale_.default._schema.arguments[0].alias_info.is_write
+                                                  "output_mask", "history_slot", "expected_grad_output", "autocast"]
+    for name, written in (("reduced_loss_backward_", 2), ("weighted_loss_backward_", 3)):
+        arguments = getattr(torch.ops.fusedloss, name).default._schema.arguments
+        assert [bool(a.alias_info and a.alias_info.is_write) for a in arguments[:written + 1]] == [True] * written + [False]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -80,6 +81,9 @@ def test_opcheck(device, loss):
         for reduction in ("mean", "sum"):
             for mask in ([True, True], [True, False], [False, False]):
                 torch.library.opcheck(torch.ops.fusedloss.reduced_loss, (*args, reduction, mask))
+                # Without autograd: backward corrects the returned gradients in place for its grad_output.
+                torch.library.opcheck(torch.ops.fusedloss.reduced_loss,
+                                      (input.detach(), args[1].detach(), name, param, reduction, mask, -1, 0.37))
         grad_output = torch.randn(input.shape, device=device)
         torch.library.opcheck(torch.ops.fusedloss.pointwise_loss_backward,
                               (grad_output, input.detach(), args[1].detach(), name, param, [True, True]))
@@ -88,8 +92,12 @@ def test_opcheck(device, loss):
                 torch.library.opcheck(torch.ops.fusedloss.reduced_loss_backward,
                                       (torch.tensor(0.37, device=device), input.detach(), args[1].detach(), name,
                                        param, reduction, mask, -1))
-    buffer = torch.randn(9, device=device)
-    torch.library.opcheck(torch.ops.fusedloss.scale_, (buffer, torch.tensor(0.5, device=device), -1))
+        for expected in (0.37, 2.0):  # as predicted, and not
+            with torch.no_grad():
+                _, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(*args, "mean", [True, True], -1, 0.37)
+            torch.library.opcheck(torch.ops.fusedloss.reduced_loss_backward_,
+                                  (grad_input, grad_target[:0], torch.tensor(expected, device=device),
+                                   input.detach(), args[1].detach(), name, param, "mean", 0.37, -1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,6 +124,13 @@ def test_opcheck_weighted(device, loss, weight_shape):
         torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward,
                               (torch.tensor(0.37, device=device), input.detach(), target.detach(), weight, scale,
                                divisor, 0.5, name, param, mask))
+    mask = masks[-2] if weight is not None else masks[0]
+    with torch.no_grad():
+        _, *written = torch.ops.fusedloss.weighted_loss(input, target, weight, scale, divisor, 0.5, name, param, mask,
+                                                        -1, 1000.0)
+    torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward_,
+                          (*written, torch.tensor(-3.0, device=device), input.detach(), target.detach(), weight,
+                           scale, divisor, 0.5, name, param, 1000.0, -1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -236,7 +251,7 @@ def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkey
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
     """Below FUSED_GRADIENT_FROM_BYTES a step is bound by host time: no fused gradient,
-    no placement bookkeeping; from there on the forward writes it."""
+    no grad_output prediction; from there on the forward writes it."""
     from fusedloss import functional
 
     calls = []

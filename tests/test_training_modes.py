@@ -600,7 +600,8 @@ def test_training_steps_have_no_host_sync(cuda_kernels, name, reduction):
         x.grad = t.grad = None
         _backward(_loss(name, OURS, x, t, reduction), scale, weight)
 
-    scales = (1.0, 0.5, 1.0, 0.5, 0.5, 1.0)  # both gradient placements, and the switches between them
+    # the expected grad_output right and wrong, a step after a misprediction, and the switches between them
+    scales = (1.0, 0.5, 1.0, 0.5, 0.5, 0.5, 1.0)
     for case in cases:  # warm-up: builds or loads the kernels, allocates the notes
         for scale in scales[:2]:
             step(*case, scale)

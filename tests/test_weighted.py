@@ -25,7 +25,7 @@ Sections:
      shapes x scale kinds; dtype pairs; broadcast operands; layouts; sizes
   2. PyTorch's own weighted case (mse, l1, huber with weight.size() == input.size())
   3. a broadcast weight equals its expanded copy; errors
-  4. modules, torch.func transforms, torch.compile, gradient placement
+  4. modules, torch.func transforms, torch.compile, the gradient written by the forward
   5. CUDA only: 16-bit operands, autocast, CUDA graphs, no host sync, determinism,
      large sizes, memory
   6. fuzzing
@@ -690,7 +690,7 @@ def test_signatures(name):
     assert parameters["reduction"].default == "mean"
 
 
-# ---- 4. modules, torch.func, torch.compile, gradient placement -----------------------------
+# ---- 4. modules, torch.func, torch.compile, the gradient written by the forward -----------
 
 
 def make_module(name, reduction):

@@ -18,9 +18,9 @@ NAMESPACE = "fusedloss_kernelbench"
 OP_SCHEMAS = {
     "pointwise_loss": "(Tensor input, Tensor target, str loss, float param, bool autocast=False) -> Tensor",
     "pointwise_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)",
-    "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)",
-    "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)",
-    "scale_": "(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()",
+    "reduced_loss": "(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, float expected_grad_output=1., bool autocast=False) -> (Tensor, Tensor, Tensor)",
+    "reduced_loss_backward": "(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, int history_slot=-1, float expected_grad_output=1., bool autocast=False) -> (Tensor, Tensor)",
+    "reduced_loss_backward_": "(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, float expected_grad_output, int history_slot=-1, bool autocast=False) -> ()",
     "grad_output_history": "() -> Tensor",
 }
 
@@ -45,7 +45,6 @@ CPP_SOURCE = r"""// CUDA kernels for the fusedloss:: operators, whose schemas, f
 #include <algorithm>
 #include <limits>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 // The boundary between the host code (torch tensors, fusedloss_ops.cpp) and the
@@ -265,9 +264,26 @@ struct LossProblem {
   DType target_dtype;
   int64_t numel;
   bool autocast = false;
+  // The grad_output a forward's gradients are multiplied by: the one the last backward
+  // of the same loss saw, predicted, so that each gradient is rounded once, after every
+  // factor, and backward has nothing to do when the prediction holds.
+  double expected_grad_output = 1.0;
   // The weighted reductions' only (launch_weighted_reduced_loss*).
   ElementWeight weight;
   DeviceScale scale;
+};
+
+// What a backward launch does besides computing the gradients. `history`: null, or a
+// slot of host-mapped memory (grad_output_history in fusedloss_ops.cpp) where the kernel
+// writes grad_output and whether it differed from problem.expected_grad_output, for the
+// next forward to predict from without a sync.
+// `correct_in_place`: the gradient buffers already hold the forward's gradients for
+// problem.expected_grad_output; they are recomputed only when grad_output differs from
+// it (in its bits), by one wave of `num_sms` SMs' blocks that otherwise exits at once.
+struct BackwardOptions {
+  double* history = nullptr;
+  bool correct_in_place = false;
+  int num_sms = 0;
 };
 
 // The pairs the kernels read directly under autocast: float16 or bfloat16 with
@@ -283,17 +299,19 @@ constexpr bool reads_under_autocast(DType input, DType target) {
 // (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
 // same bits on every run and needs no memory in proportion to N; and, where
 // the pointers are set, d loss / d input and d loss / d target (times 1/N for
-// a mean) in the same pass. A small loss with no gradient to write is one
-// launch that needs no scratch (0 bytes; `scratch` may be null); a middling
-// one two launches whose scratch need not be zeroed.
+// a mean and times problem.expected_grad_output) in the same pass. A small
+// loss with no gradient to write is one launch that needs no scratch (0 bytes;
+// `scratch` may be null); a middling one two launches whose scratch need not
+// be zeroed.
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
-// loss's dtype, and where the pointers are set the gradients (times weight and
-// scale) in the same pass. `grad_weight` (the loss's dtype and size) gets
-// scale * loss(e), d out / d weight(e) for a fixed scale; it is written only
+// loss's dtype, and where the pointers are set the gradients (times weight,
+// scale and problem.expected_grad_output) in the same pass. `grad_weight` (the loss's dtype and size) gets
+// scale * loss(e) (times the expected grad_output), d out / d weight(e) for a
+// fixed scale; it is written only
 // beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
 // sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
 // second launch adds up in a fixed order: the same bits on every run, with
@@ -303,11 +321,11 @@ cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* par
                                          void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 
 // Its backward for a one-element `grad_output` in the loss's dtype: the
-// forward's gradients times grad_output, recomputed, with the bits that scaling
-// those in place gives.
+// forward's gradients for grad_output, recomputed, with the bits the forward
+// gives when it expects that grad_output.
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
                                                   void* grad_input, void* grad_target, void* grad_weight,
-                                                  cudaStream_t stream);
+                                                  const BackwardOptions& options, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -326,21 +344,12 @@ cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem,
                                                      void* grad_input, void* grad_target, cudaStream_t stream);
 
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
-// dtype, when the forward wrote no gradient: d loss / d input and d loss /
-// d target recomputed from the operands, with the bits that the forward's
-// gradients scaled by launch_scale_in_place would have.
+// dtype: d loss / d input and d loss / d target times grad_output (times 1/N
+// for a mean), each rounded once, with the bits the forward gives when it
+// expects that grad_output.
 cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void* grad_output, bool mean,
-                                         void* grad_input, void* grad_target, int32_t* history,
+                                         void* grad_input, void* grad_target, const BackwardOptions& options,
                                          cudaStream_t stream);
-
-// data *= *scale in place. Every block returns at once when *scale == 1, so
-// the common `loss.backward()` moves no memory and needs no host sync.
-cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale, DType scale_dtype,
-                                  int num_sms, int32_t* history, cudaStream_t stream);
-
-// Both backward launches take `history`: null, or a slot of host-mapped memory
-// (grad_output_history in fusedloss_ops.cpp) where the kernel notes whether
-// grad_output was other than 1, for the next forward to read without a sync.
 
 }  // namespace fusedloss
 
@@ -379,12 +388,6 @@ DType to_dtype(at::ScalarType t) {
     case at::kDouble: return DType::kFloat64;
     default: TORCH_CHECK(false, "fusedloss: unsupported dtype ", t);
   }
-}
-
-int current_device_sm_count() {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return count;
 }
 
 // The operands as the kernels take them: broadcast to one shape, contiguous
@@ -490,29 +493,66 @@ void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : 
 // Skips the dispatch of a conversion to the dtype a tensor has: this runs on every call.
 at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
-// One int32 per slot, 1 when the last backward in that slot had grad_output != 1
-// (fusedloss/gradient_placement.py). Host memory that the kernels write and the
-// host reads without a sync: mapped and portable, so under unified addressing
-// its address is valid on every device. Allocated on first use, never freed.
+// Two doubles per slot: the grad_output the last backward in that slot saw, and 1
+// where it was not the one that backward's forward expected, else 0
+// (fusedloss/grad_output_prediction.py); 1 and 0 until then. Host memory that the
+// kernels write and the host reads without a sync: mapped and portable, so under
+// unified addressing its address is valid on every device. Allocated on first use,
+// never freed.
 constexpr int64_t kHistorySlots = 64;
 
-int32_t* history_table() {
-  static int32_t* const table = [] {
+double* history_table() {
+  static double* const table = [] {
     void* p = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&p, kHistorySlots * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(p, 0, kHistorySlots * sizeof(int32_t));
-    return static_cast<int32_t*>(p);
+    C10_CUDA_CHECK(cudaHostAlloc(&p, kHistorySlots * 2 * sizeof(double), cudaHostAllocMapped | cudaHostAllocPortable));
+    double* notes = static_cast<double*>(p);
+    for (int64_t slot = 0; slot < kHistorySlots; ++slot) {
+      notes[2 * slot] = 1.0;
+      notes[2 * slot + 1] = 0.0;
+    }
+    return notes;
   }();
   return table;
 }
 
 at::Tensor grad_output_history() {
-  return at::from_blob(history_table(), {kHistorySlots}, at::TensorOptions().dtype(at::kInt));
+  return at::from_blob(history_table(), {kHistorySlots, 2}, at::TensorOptions().dtype(at::kDouble));
 }
 
-int32_t* history_slot(int64_t slot) {
+double* history_slot(int64_t slot) {
   TORCH_CHECK(slot < kHistorySlots, "fusedloss: history slot ", slot, " out of range");
-  return slot < 0 ? nullptr : history_table() + slot;
+  return slot < 0 ? nullptr : history_table() + 2 * slot;
+}
+
+int current_device_sm_count() {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return count;
+}
+
+// A backward that notes grad_output in `slot`, and with `correct_in_place` corrects
+// gradients the forward wrote for another grad_output (BackwardOptions).
+BackwardOptions backward_options(int64_t slot, bool correct_in_place) {
+  BackwardOptions options;
+  options.history = history_slot(slot);
+  options.correct_in_place = correct_in_place;
+  options.num_sms = correct_in_place ? current_device_sm_count() : 0;
+  return options;
+}
+
+// A gradient buffer that the forward wrote, as the kernels write into it: of the
+// operand's shape as they read it, in `dtype`; null when it is empty (not wanted).
+void* written_gradient(const at::Tensor& grad, const at::Tensor& operand, at::ScalarType dtype) {
+  if (grad.numel() == 0) return nullptr;
+  TORCH_CHECK(grad.device() == operand.device() && grad.sizes() == operand.sizes() && grad.scalar_type() == dtype &&
+                  grad.is_contiguous() && is_aligned16(grad),
+              "fusedloss: a gradient to correct must be the forward's own buffer: contiguous, of shape ",
+              operand.sizes(), " and dtype ", dtype, " on ", operand.device());
+  return grad.data_ptr();
+}
+
+void* written_gradient(const at::Tensor& grad, const at::Tensor& operand) {
+  return written_gradient(grad, operand, operand.scalar_type());
 }
 
 at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
@@ -524,15 +564,17 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
   return out;
 }
 
-// history_slot is autograd's (see reduced_loss_backward); the forward ignores it.
+// history_slot is autograd's, for the backward; expected_grad_output multiplies the
+// gradients the forward writes (LossProblem).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
                                                             c10::string_view loss, double param,
                                                             c10::string_view reduction,
                                                             std::array<bool, 2> output_mask, int64_t,
-                                                            bool autocast) {
+                                                            double expected_grad_output, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param, autocast);
+  ops.problem.expected_grad_output = expected_grad_output;
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
@@ -550,19 +592,41 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
                                                          const at::Tensor& target, c10::string_view loss,
                                                          double param, c10::string_view reduction,
                                                          std::array<bool, 2> output_mask, int64_t history_slot_index,
-                                                         bool autocast) {
+                                                         double expected_grad_output, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param, autocast);
+  ops.problem.expected_grad_output = expected_grad_output;  // for the note only
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
               "fusedloss: reduced_loss_backward takes a one-element grad_output on ", input.device());
   const at::Tensor go = as_dtype(grad_output, ops.loss_dtype);  // one element: its layout does not matter
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
   C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean, data_or_null(grad_input),
-                                              data_or_null(grad_target), history_slot(history_slot_index),
+                                              data_or_null(grad_target),
+                                              backward_options(history_slot_index, false),
                                               c10::cuda::getCurrentCUDAStream()));
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
+// The gradients a forward wrote for expected_grad_output, recomputed in place for
+// grad_output where that differs (decided on the GPU: no sync).
+void reduced_loss_backward_(at::Tensor& grad_input, at::Tensor& grad_target, const at::Tensor& grad_output,
+                        const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
+                        c10::string_view reduction, double expected_grad_output, int64_t history_slot_index,
+                        bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool mean = parse_mean(reduction);
+  Operands ops = prepare(input, target, loss, param, autocast);
+  ops.problem.expected_grad_output = expected_grad_output;
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: reduced_loss_backward_ takes a one-element grad_output on ", input.device());
+  const at::Tensor go = as_dtype(grad_output, ops.loss_dtype);
+  C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean,
+                                              written_gradient(grad_input, ops.input),
+                                              written_gradient(grad_target, ops.target),
+                                              backward_options(history_slot_index, true),
+                                              c10::cuda::getCurrentCUDAStream()));
 }
 
 // A build may leave the kernels of the Weighted policy out (the KernelBench
@@ -763,12 +827,15 @@ at::Tensor maybe_weight_grad_buffer(std::array<bool, 3> output_mask, const Weigh
   return maybe_grad_buffer(output_mask[2], w.ops.input.options().dtype(w.ops.loss_dtype), w.ops.input.sizes());
 }
 
+// history_slot is autograd's, for the backward; expected_grad_output as in reduced_loss.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weighted_loss(
     const at::Tensor& input, const at::Tensor& target, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& divisor, double host_scale,
-    c10::string_view loss, double param, std::array<bool, 3> output_mask, bool autocast) {
+    c10::string_view loss, double param, std::array<bool, 3> output_mask, int64_t, double expected_grad_output,
+    bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  w.ops.problem.expected_grad_output = expected_grad_output;
   const at::Tensor& operand = w.ops.input;
   at::Tensor out = at::empty({}, operand.options().dtype(w.ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], operand);
@@ -787,9 +854,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
     const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss, double param,
-    std::array<bool, 3> output_mask, bool autocast) {
+    std::array<bool, 3> output_mask, int64_t history_slot_index, double expected_grad_output, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  w.ops.problem.expected_grad_output = expected_grad_output;  // for the note only
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
               "fusedloss: weighted_loss_backward takes a one-element grad_output on ", input.device());
   const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
@@ -798,21 +866,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss_backward(
   at::Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
   C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(w.ops.problem, go.data_ptr(), data_or_null(grad_input),
                                                        data_or_null(grad_target), data_or_null(grad_weight),
+                                                       backward_options(history_slot_index, false),
                                                        c10::cuda::getCurrentCUDAStream()));
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
-#endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
-void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
-  TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
-              "fusedloss: scale_ takes a one-element scale on the tensor's device");
-  TORCH_CHECK(self.is_contiguous() && is_aligned16(self), "fusedloss: scale_ needs a contiguous, 16-byte aligned tensor");
-  const c10::cuda::CUDAGuard guard(self.device());
-  C10_CUDA_CHECK(launch_scale_in_place(self.data_ptr(), to_dtype(self.scalar_type()), self.numel(),
-                                       scale.data_ptr(), to_dtype(scale.scalar_type()),
-                                       current_device_sm_count(), history_slot(history_slot_index),
-                                       c10::cuda::getCurrentCUDAStream()));
+// weighted_loss's gradients for expected_grad_output, recomputed in place for
+// grad_output where that differs, as reduced_loss_backward_.
+void weighted_loss_backward_(at::Tensor& grad_input, at::Tensor& grad_target, at::Tensor& grad_weight,
+                                 const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+                                 const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss,
+                                 double param, double expected_grad_output, int64_t history_slot_index,
+                                 bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  w.ops.problem.expected_grad_output = expected_grad_output;
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: weighted_loss_backward_ takes a one-element grad_output on ", input.device());
+  const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
+  C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(
+      w.ops.problem, go.data_ptr(), written_gradient(grad_input, w.ops.input),
+      written_gradient(grad_target, w.ops.target), written_gradient(grad_weight, w.ops.input, w.ops.loss_dtype),
+      backward_options(history_slot_index, true), c10::cuda::getCurrentCUDAStream()));
 }
+#endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
 }  // namespace
 
@@ -827,10 +905,11 @@ TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("pointwise_loss_backward", &pointwise_loss_backward);
   m.impl("reduced_loss", &reduced_loss);
   m.impl("reduced_loss_backward", &reduced_loss_backward);
-  m.impl("scale_", &scale_);
+  m.impl("reduced_loss_backward_", &reduced_loss_backward_);
 #ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
   m.impl("weighted_loss", &weighted_loss);
   m.impl("weighted_loss_backward", &weighted_loss_backward);
+  m.impl("weighted_loss_backward_", &weighted_loss_backward_);
 #endif
 }
 
@@ -1066,9 +1145,26 @@ struct LossProblem {
   DType target_dtype;
   int64_t numel;
   bool autocast = false;
+  // The grad_output a forward's gradients are multiplied by: the one the last backward
+  // of the same loss saw, predicted, so that each gradient is rounded once, after every
+  // factor, and backward has nothing to do when the prediction holds.
+  double expected_grad_output = 1.0;
   // The weighted reductions' only (launch_weighted_reduced_loss*).
   ElementWeight weight;
   DeviceScale scale;
+};
+
+// What a backward launch does besides computing the gradients. `history`: null, or a
+// slot of host-mapped memory (grad_output_history in fusedloss_ops.cpp) where the kernel
+// writes grad_output and whether it differed from problem.expected_grad_output, for the
+// next forward to predict from without a sync.
+// `correct_in_place`: the gradient buffers already hold the forward's gradients for
+// problem.expected_grad_output; they are recomputed only when grad_output differs from
+// it (in its bits), by one wave of `num_sms` SMs' blocks that otherwise exits at once.
+struct BackwardOptions {
+  double* history = nullptr;
+  bool correct_in_place = false;
+  int num_sms = 0;
 };
 
 // The pairs the kernels read directly under autocast: float16 or bfloat16 with
@@ -1084,17 +1180,19 @@ constexpr bool reads_under_autocast(DType input, DType target) {
 // (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
 // same bits on every run and needs no memory in proportion to N; and, where
 // the pointers are set, d loss / d input and d loss / d target (times 1/N for
-// a mean) in the same pass. A small loss with no gradient to write is one
-// launch that needs no scratch (0 bytes; `scratch` may be null); a middling
-// one two launches whose scratch need not be zeroed.
+// a mean and times problem.expected_grad_output) in the same pass. A small
+// loss with no gradient to write is one launch that needs no scratch (0 bytes;
+// `scratch` may be null); a middling one two launches whose scratch need not
+// be zeroed.
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
-// loss's dtype, and where the pointers are set the gradients (times weight and
-// scale) in the same pass. `grad_weight` (the loss's dtype and size) gets
-// scale * loss(e), d out / d weight(e) for a fixed scale; it is written only
+// loss's dtype, and where the pointers are set the gradients (times weight,
+// scale and problem.expected_grad_output) in the same pass. `grad_weight` (the loss's dtype and size) gets
+// scale * loss(e) (times the expected grad_output), d out / d weight(e) for a
+// fixed scale; it is written only
 // beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
 // sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
 // second launch adds up in a fixed order: the same bits on every run, with
@@ -1104,11 +1202,11 @@ cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* par
                                          void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 
 // Its backward for a one-element `grad_output` in the loss's dtype: the
-// forward's gradients times grad_output, recomputed, with the bits that scaling
-// those in place gives.
+// forward's gradients for grad_output, recomputed, with the bits the forward
+// gives when it expects that grad_output.
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
                                                   void* grad_input, void* grad_target, void* grad_weight,
-                                                  cudaStream_t stream);
+                                                  const BackwardOptions& options, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -1127,21 +1225,12 @@ cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem,
                                                      void* grad_input, void* grad_target, cudaStream_t stream);
 
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
-// dtype, when the forward wrote no gradient: d loss / d input and d loss /
-// d target recomputed from the operands, with the bits that the forward's
-// gradients scaled by launch_scale_in_place would have.
+// dtype: d loss / d input and d loss / d target times grad_output (times 1/N
+// for a mean), each rounded once, with the bits the forward gives when it
+// expects that grad_output.
 cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void* grad_output, bool mean,
-                                         void* grad_input, void* grad_target, int32_t* history,
+                                         void* grad_input, void* grad_target, const BackwardOptions& options,
                                          cudaStream_t stream);
-
-// data *= *scale in place. Every block returns at once when *scale == 1, so
-// the common `loss.backward()` moves no memory and needs no host sync.
-cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale, DType scale_dtype,
-                                  int num_sms, int32_t* history, cudaStream_t stream);
-
-// Both backward launches take `history`: null, or a slot of host-mapped memory
-// (grad_output_history in fusedloss_ops.cpp) where the kernel notes whether
-// grad_output was other than 1, for the next forward to read without a sync.
 
 }  // namespace fusedloss
 
@@ -1371,8 +1460,11 @@ struct Unweighted {
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
+  // The gradients' factor: the reduction's (1/N or 1) times grad_output, rounded once.
   template <typename T>
-  __device__ __forceinline__ void begin(T&) const {}
+  __device__ __forceinline__ void begin(T& grad_scale, double reduction_scale, double grad_output) const {
+    grad_scale = T(reduction_scale * grad_output);
+  }
 };
 
 struct WeightIndex {
@@ -1487,9 +1579,12 @@ struct Weighted {
   }
   template <int W, typename V>
   __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
-  // The gradients' factor, the same in the forward's pass and in backward's.
+  // The gradients' factor, scale / divisor times grad_output, rounded once (the
+  // reduction's 1/N is in the host's scale).
   template <typename V>
-  __device__ __forceinline__ void begin(V& grad_scale) const { grad_scale = V(factor()); }
+  __device__ __forceinline__ void begin(V& grad_scale, double, double grad_output) const {
+    grad_scale = V(factor() * grad_output);
+  }
 };
 
 // The vector width covers 16 bytes of the narrower operand; one chunk per
@@ -1588,11 +1683,15 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using typename Base::Out;
   // The weight's gradient goes with the operands' (a pass that writes none keeps its registers).
   static constexpr bool kWritesWeightGradient = Weights::kHasGradient && kGrads != Grads::kNone;
-  T grad_scale;
+  double reduction_scale;  // 1/N or 1 (Unweighted)
+  double expected_grad_output;
+  T grad_scale;  // set by begin
   double sum;
   Weights weights;
 
-  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
+  // The gradients' factor, for the grad_output that backward is expected to bring, as
+  // ReducedLossBackwardOp::begin computes it for the real one.
+  __device__ __forceinline__ void begin() { weights.begin(grad_scale, reduction_scale, expected_grad_output); }
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
@@ -1700,16 +1799,10 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
   }
 };
 
-// v times factor, rounded once into v's dtype: how backward scales a fused gradient.
-template <typename S, typename T>
-__device__ __forceinline__ S rounded_product(S v, T factor) {
-  return Convert<S>::from(to_opmath(v) * factor);
-}
-
 // The gradients of a mean or sum for a one-element grad_output, recomputed from
-// input and target: the fused forward's gradients (times grad_scale, rounded)
-// times grad_output, rounded again, as scaling those in place does. Either way
-// gives the same bits.
+// input and target: every factor (the reduction's, the weight, grad_output)
+// applied in float32 (float64 for fp64 data) and each gradient rounded once, with
+// the bits the forward's pass writes when it expects this grad_output.
 template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
@@ -1721,11 +1814,12 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
   };
 
   static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
+  double reduction_scale;  // as in ReducedLossOp
   T grad_scale;
   const Out* __restrict__ grad_output;
   Weights weights;
 
-  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
+  __device__ __forceinline__ void begin(T go) { weights.begin(grad_scale, reduction_scale, double(go)); }
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
@@ -1735,23 +1829,18 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
 
   template <int W>
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
-    const T go = to_opmath(*grad_output);
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
     alignas(16) Out gw[Weights::kHasGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T factor = Weights::times(c.weight, k, grad_scale);
-      if (this->writes_input()) {
-        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], factor), go);
-      }
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
-        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], factor), go);
+        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
       }
       if constexpr (Weights::kHasGradient) {
-        if (weights.writes_gradient()) {
-          gw[k] = rounded_product(Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale), go);
-        }
+        if (weights.writes_gradient()) gw[k] = Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale);
       }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -1759,31 +1848,6 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     if constexpr (Weights::kHasGradient) {
       if (weights.writes_gradient()) store_chunk(static_cast<Out*>(weights.grad), first, gw);
     }
-  }
-};
-
-template <typename S>
-struct ScaleOp {
-  using T = opmath_t<S, S>;
-  static constexpr int kVec = 16 / sizeof(S);
-  static constexpr int kChunksPerThread = 1;
-  static constexpr int kChunksInFlight = 1;
-  template <int W>
-  struct Chunk {
-    alignas(16) S data[W];
-  };
-
-  S* __restrict__ data;
-  T scale;
-
-  template <int W>
-  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { load_chunk(c.data, data, first); }
-  template <int W>
-  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
-    alignas(16) S scaled[W];
-#pragma unroll
-    for (int k = 0; k < W; ++k) scaled[k] = rounded_product(c.data[k], scale);
-    store_chunk(data, first, scaled);
   }
 };
 
@@ -1927,6 +1991,8 @@ cudaError_t with_gradient_op(const LossProblem& p, void* grad_input, void* grad_
 
 // The kernels: each runs one op (loss_ops.cuh) over the tiles of its problem,
 // one tile per block (elementwise.cuh).
+
+#include <algorithm>
 
 #include <cooperative_groups.h>
 
@@ -2101,6 +2167,7 @@ template <int kCopies, class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
   using Sum = ExactSum<typename Op::T>;
   static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
+  op.begin();
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
@@ -2176,15 +2243,47 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) elementwise_k
   visit_tile(op, n);
 }
 
-// Notes in `history` (host memory, when set) whether grad_output != 1, and
-// walks the tiles from the last: the forward just read those, so the first
-// ones this walk reads are still in L2.
+// Whether two values have the same bits: a prediction of grad_output holds only
+// then (-0 is not 0, and a NaN that was seen is expected again).
+template <typename T>
+__device__ __forceinline__ bool same_bits(T a, T b) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return __float_as_uint(a) == __float_as_uint(b);
+  } else {
+    return __double_as_longlong(a) == __double_as_longlong(b);
+  }
+}
+
+// The gradients of a mean or sum for grad_output, over `tiles` tiles walked from
+// the last (the forward just read those, so the first ones this walk reads are
+// still in L2), gridDim.x apart: one tile per block, or, when correcting the
+// forward's gradients, one wave that returns at once where they were computed
+// for this grad_output. Notes in `history` (host memory, when set) grad_output and
+// whether it was not the one expected.
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
-                                                                                                int32_t* history) {
-  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
-  op.begin();
-  visit_tile(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_backward_kernel(
+    Op op, int64_t n, int64_t tiles, double* history, bool correct_in_place, double expected_grad_output) {
+  using T = typename Op::T;
+  const T go = to_opmath(*op.grad_output);
+  const bool expected = same_bits(go, T(expected_grad_output));
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    history[0] = double(go);
+    history[1] = expected ? 0.0 : 1.0;
+  }
+  if (correct_in_place && expected) return;
+  op.begin(go);
+#pragma unroll 1
+  for (int64_t tile = tiles - 1 - blockIdx.x; tile >= 0; tile -= gridDim.x) visit_tile(op, n, tile);
+}
+
+template <class Op>
+cudaError_t launch_backward_kernel(const Op& op, const LossProblem& p, int64_t tiles, const BackwardOptions& options,
+                                   cudaStream_t stream) {
+  const int64_t wave = std::max<int64_t>(1, int64_t(options.num_sms) * Op::kBlocksPerSm);
+  const int64_t blocks = options.correct_in_place ? std::min(tiles, wave) : tiles;
+  reduced_loss_backward_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(
+      op, p.numel, tiles, options.history, options.correct_in_place, p.expected_grad_output);
+  return cudaGetLastError();
 }
 
 // A weighted reduction's pass: each tile's sum (of either sign) into its slot
@@ -2238,22 +2337,6 @@ __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(cons
     // An empty mean is 0 / 0 = NaN, as in PyTorch.
     *out = Convert<Out>::from(mean ? total / double(numel) : total);
   }
-}
-
-// One wave of blocks, each walking every gridDim.x-th tile: when scale == 1
-// (the common loss.backward()) the whole launch is one wave that exits at
-// once, not one block per tile. Notes in `history` (when set) whether scale != 1.
-template <typename S>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t tiles,
-                                                                                     const void* scale,
-                                                                                     DType scale_dtype,
-                                                                                     int32_t* history) {
-  const double s = load_as_double(scale, scale_dtype);
-  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = s != 1.0;
-  if (s == 1.0) return;
-  ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
-#pragma unroll 1
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) visit_tile(op, n, tile);
 }
 
 }  // namespace fusedloss
@@ -2333,7 +2416,8 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
     op.grad_input = static_cast<In*>(grad_input);
     op.grad_target = static_cast<Tgt*>(grad_target);
     using T = typename Op::T;
-    op.grad_scale = static_cast<T>(mean ? 1.0 / double(p.numel) : 1.0);
+    op.reduction_scale = mean ? 1.0 / double(p.numel) : 1.0;
+    op.expected_grad_output = double(static_cast<T>(p.expected_grad_output));
     constexpr int kSmall = scratch_copies<T>(0);
     constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
     const auto kernel = scratch_copies<T>(tiles) == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
@@ -2394,8 +2478,9 @@ cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_
 }
 
 }  // namespace fusedloss
-// launch_reduced_loss_backward (a mean's or sum's gradients recomputed in
-// backward) and launch_scale_in_place (the fused gradients scaled in backward).
+// launch_reduced_loss_backward: a mean's or sum's gradients for grad_output,
+// recomputed in backward, or corrected in place where the forward expected
+// another grad_output.
 #include <algorithm>
 
 
@@ -2404,29 +2489,13 @@ cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_
 namespace fusedloss {
 
 cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
-                                         void* grad_target, int32_t* history, cudaStream_t stream) {
+                                         void* grad_target, const BackwardOptions& options, cudaStream_t stream) {
   return with_gradient_op<ReducedLossBackwardOp>(p, grad_input, grad_target, [&](auto op, int64_t tiles) {
     using Op = decltype(op);
-    op.grad_scale = static_cast<typename Op::T>(mean ? 1.0 / double(p.numel) : 1.0);
+    op.reduction_scale = mean ? 1.0 / double(p.numel) : 1.0;
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-    reduced_loss_backward_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, history);
-    return cudaGetLastError();
+    return launch_backward_kernel(op, p, tiles, options, stream);
   });
-}
-
-cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale, DType scale_dtype,
-                                  int num_sms, int32_t* history, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  with_dtype(dtype, [&](auto s) {
-    using S = decltype(s);
-    const int64_t tiles = num_tiles<ScaleOp<S>>(numel);
-    if (tiles == 0) return;
-    const int64_t wave = std::min<int64_t>(tiles, int64_t(num_sms) * kBlocksPerSm);
-    scale_in_place_kernel<S><<<wave, kBlockThreads, 0, stream>>>(static_cast<S*>(data), numel, tiles, scale,
-                                                                 scale_dtype, history);
-    err = cudaGetLastError();
-  });
-  return err;
 }
 
 }  // namespace fusedloss

@@ -50,8 +50,8 @@ CSRC = Path(__file__).parent / "csrc"
 # The host file and one translation unit per kernel family; the headers come in through #include.
 SOURCES = ("fusedloss_ops.cpp", "autograd.cpp", *sorted(path.name for path in CSRC.glob("*.cu")))
 _COMMON_FLAGS = ["-O3"]  # the C++ standard is torch's choice: each torch version asks for its own
-OPS = ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "scale_",
-       "weighted_loss", "weighted_loss_backward")
+OPS = ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "reduced_loss_backward_",
+       "weighted_loss", "weighted_loss_backward", "weighted_loss_backward_")
 
 REQUIRE_KERNELS_ENV = "FUSEDLOSS_REQUIRE_KERNELS"
 FAILURE_RECORD = "build-failed-{compiler}.txt"

@@ -31,9 +31,9 @@ def loss_grad(input: Tensor, target: Tensor, loss: str, param: float, times: Ten
     # Broadcast first, as the losses do: a 0-d operand must not lose its dtype in promotion.
     input, target = torch.broadcast_tensors(input, target)
     dtype = torch.promote_types(input.dtype, target.dtype)
-    # fp32 math for 16-bit data, as the kernels do (beta or delta may not fit in fp16); the
-    # difference held in fp16 only for fp16, as PyTorch's fp16 kernels hold it.
-    math = torch.promote_types(dtype, torch.float32)
+    # float64 math, so that the one rounding into `dtype` is the only one (beta or delta may
+    # not fit in fp16); the difference held in fp16 only for fp16, as PyTorch's fp16 kernels hold it.
+    math = torch.float64
     d = input.to(math) - target.to(math)
     if dtype == torch.float16:
         d = d.to(dtype).to(math)

@@ -53,7 +53,7 @@ from torch.autograd import forward_ad
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import build, formulas, gradient_placement, ops
+from . import build, formulas, grad_output_prediction, ops
 
 
 @dataclass(frozen=True)
@@ -177,11 +177,19 @@ _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
 _MODES = ("mean", "sum", "none")
 _NO_GRADIENTS = [False, False]
 _NO_WEIGHTED_GRADIENTS = [False, False, False]
-# From operands of this many bytes on (both together), a mean or sum may write
-# its gradient in the forward pass (gradient_placement). Below, a step is bound
-# by host time, not memory: backward computes the gradient from the operands,
-# in as many launches and with no bookkeeping (docs/design.md, "Gradient placement").
+# From operands of this many bytes on (both together), a mean or sum writes its
+# gradient in the forward pass, for the grad_output it expects (grad_output_prediction).
+# Below, a step is bound by host time, not memory: backward computes the gradient
+# from the operands, in as many launches and with no bookkeeping (docs/design.md,
+# "Gradients in the forward pass").
 FUSED_GRADIENT_FROM_BYTES = 1 << 27
+
+
+def _forward_writes_gradients(input: Tensor, target: Tensor, numel: int) -> bool:
+    # A pair with one float64 operand is computed in float64 and its gradients converted:
+    # the converted buffer is not the one backward could correct in place.
+    return (numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES
+            and (input.dtype == torch.float64) == (target.dtype == torch.float64))
 
 
 def _kernels_apply(input: Tensor, target: Tensor) -> bool:
@@ -245,14 +253,14 @@ def _fused_loss(
     autocast = _under_autocast(input, target)
     if mode == "none":
         return _pointwise_loss(input, target, loss, param, autocast)
-    output_mask, slot = _NO_GRADIENTS, -1
+    output_mask, slot, expected = _NO_GRADIENTS, -1, 1.0
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
-        if numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES:
-            if not gradient_placement.gradient_in_backward(loss, param, mode, input, target):
+        if _forward_writes_gradients(input, target, numel):
+            slot, expected, mispredicted = grad_output_prediction.predict(loss, param, mode, input, target)
+            if not mispredicted:
                 output_mask = [input.requires_grad, target.requires_grad]
-            slot = gradient_placement.history_slot(loss, param, mode, input, target)
-    return _reduced_loss(input, target, loss, param, mode, output_mask, slot, autocast)[0]
+    return _reduced_loss(input, target, loss, param, mode, output_mask, slot, expected, autocast)[0]
 
 
 def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
@@ -394,12 +402,15 @@ def _fused_weighted_loss(
             divisor = _weight_sum(weight, result_dtype)
             if not pytorch_case:
                 host_scale /= numel // weight.numel()
-    output_mask = _NO_WEIGHTED_GRADIENTS
+    output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
-        if numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES:
-            output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
+        if _forward_writes_gradients(input, target, numel):
+            slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target,
+                                                                          weight)
+            if not mispredicted:
+                output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
     return _weighted_loss_op(input, target, weight, device_scale, divisor, host_scale, loss, param, output_mask,
-                             float32_math)[0]
+                             slot, expected, float32_math)[0]
 
 
 def _torch_weighted(name: str) -> Callable[..., Tensor] | None:

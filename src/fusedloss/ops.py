@@ -11,22 +11,28 @@ broadcast shape and autograd sums them to each operand's own shape.
 
 - ``reduced_loss``: mean or sum in one pass over the operands. When
   ``output_mask`` asks for them, the same pass writes d loss / d input and
-  d loss / d target, already scaled for the reduction; backward hands them on
-  (scaled in place by ``scale_``, which the GPU skips when grad_output == 1).
-- ``reduced_loss_backward``: those gradients times grad_output in one pass over
-  the operands, when the forward wrote none (``gradient_placement``), for a
-  second backward, or for gradients the forward was not asked for. Same bits
-  as the fused gradients scaled by ``scale_``.
+  d loss / d target times the reduction's factor and ``expected_grad_output``
+  (the grad_output that backward is predicted to bring, ``grad_output_prediction``),
+  each rounded once; backward hands them on.
+- ``reduced_loss_backward_``: backward of those, in place: where grad_output is
+  not the one expected (decided on the GPU, which then recomputes them), and
+  otherwise nothing to do.
+- ``reduced_loss_backward``: the gradients times grad_output in one pass over
+  the operands, when the forward wrote none, for a second backward, or for
+  gradients the forward was not asked for. Same bits as the forward's for that
+  grad_output.
 - ``pointwise_loss`` / ``pointwise_loss_backward``: ``reduction='none'``, each
   one pass.
-- ``grad_output_history``: the host-mapped notes in which ``scale_`` and
-  ``reduced_loss_backward`` record, at ``history_slot`` (-1: nowhere), whether
-  grad_output was 1 (CUDA only; see ``gradient_placement``). The forward takes
-  the slot for its backward.
+- ``grad_output_history``: the host-mapped notes in which the backward
+  operators record, at ``history_slot`` (-1: nowhere), grad_output and whether
+  it was not ``expected_grad_output``, for the next forward to predict from
+  (CUDA only; see ``grad_output_prediction``). The forward takes the slot and
+  the expectation for its backward.
 - ``weighted_loss`` / ``weighted_loss_backward``: ``host_scale * scale / divisor
   * sum_e weight_e * loss_e`` (``scale`` and ``divisor`` one-element tensors read
   on the device, or None), and its gradients, fused into the forward's pass as
-  ``reduced_loss``'s are when ``output_mask`` asks. ``weight`` broadcasts to the
+  ``reduced_loss``'s are when ``output_mask`` asks (``weighted_loss_backward_``
+  corrects them as ``reduced_loss_backward_`` does). ``weight`` broadcasts to the
   operands' shape and is read where it lies. The weight's gradient (the third
   of ``output_mask``) is written per element of the loss, ``host_scale * scale
   / divisor * loss_e``, and only beside input's or target's; autograd sums it to
@@ -64,11 +70,17 @@ _lib.define(
 )
 _lib.define(
     "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, "
-    "int history_slot=-1, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+    "int history_slot=-1, float expected_grad_output=1.0, bool autocast=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "reduced_loss_backward(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
-    "bool[2] output_mask, int history_slot=-1, bool autocast=False) -> (Tensor, Tensor)"
+    "bool[2] output_mask, int history_slot=-1, float expected_grad_output=1.0, bool autocast=False) "
+    "-> (Tensor, Tensor)"
+)
+_lib.define(
+    "reduced_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor grad_output, Tensor input, "
+    "Tensor target, str loss, float param, str reduction, float expected_grad_output, int history_slot=-1, "
+    "bool autocast=False) -> ()"
 )
 _lib.define(
     "loss_gradients(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
@@ -76,18 +88,24 @@ _lib.define(
 )
 _lib.define(
     "weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, "
-    "str loss, float param, bool[3] output_mask, bool autocast=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    "str loss, float param, bool[3] output_mask, int history_slot=-1, float expected_grad_output=1.0, "
+    "bool autocast=False) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
-    "Tensor? divisor, float host_scale, str loss, float param, bool[3] output_mask, bool autocast=False) "
-    "-> (Tensor, Tensor, Tensor)"
+    "Tensor? divisor, float host_scale, str loss, float param, bool[3] output_mask, int history_slot=-1, "
+    "float expected_grad_output=1.0, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "weighted_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_weight, "
+    "Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, "
+    "float host_scale, str loss, float param, float expected_grad_output, int history_slot=-1, "
+    "bool autocast=False) -> ()"
 )
 _lib.define(
     "weighted_loss_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
     "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False) -> (Tensor, Tensor, Tensor)"
 )
-_lib.define("scale_(Tensor(a!) self, Tensor scale, int history_slot=-1) -> ()")
 _lib.define("grad_output_history() -> Tensor")
 
 
@@ -148,7 +166,7 @@ def _pointwise_loss_backward_fake(
 @torch.library.register_fake("fusedloss::reduced_loss")
 def _reduced_loss_fake(
     input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
-    history_slot: int = -1, autocast: bool = False,
+    history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
@@ -159,11 +177,19 @@ def _reduced_loss_fake(
 @torch.library.register_fake("fusedloss::reduced_loss_backward")
 def _reduced_loss_backward_fake(
     grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
-    output_mask: Sequence[bool], history_slot: int = -1, autocast: bool = False,
+    output_mask: Sequence[bool], history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
     return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
+@torch.library.register_fake("fusedloss::reduced_loss_backward_")
+def _reduced_loss_backward_in_place_fake(
+    grad_input: Tensor, grad_target: Tensor, grad_output: Tensor, input: Tensor, target: Tensor, loss: str,
+    param: float, reduction: str, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
+) -> None:
+    _load_kernels_for(input.device)
 
 
 def _check_weighted_mask(output_mask: Sequence[bool]) -> None:
@@ -184,7 +210,8 @@ def _weighted_grad_buffers(input: Tensor, target: Tensor, loss: str, output_mask
 @torch.library.register_fake("fusedloss::weighted_loss")
 def _weighted_loss_fake(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
-    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
+    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], history_slot: int = -1,
+    expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
     out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
@@ -195,15 +222,19 @@ def _weighted_loss_fake(
 def _weighted_loss_backward_fake(
     grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
-    autocast: bool = False,
+    history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
     return _weighted_grad_buffers(input, target, loss, output_mask, autocast)
 
 
-@torch.library.register_fake("fusedloss::scale_")
-def _scale_fake(self: Tensor, scale: Tensor, history_slot: int = -1) -> None:
-    _load_kernels_for(self.device)
+@torch.library.register_fake("fusedloss::weighted_loss_backward_")
+def _weighted_loss_backward_in_place_fake(
+    grad_input: Tensor, grad_target: Tensor, grad_weight: Tensor, grad_output: Tensor, input: Tensor,
+    target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None, host_scale: float,
+    loss: str, param: float, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
+) -> None:
+    _load_kernels_for(input.device)
 
 
 # ---- CPU kernels: the torch formulas --------------------------------------------
@@ -237,24 +268,48 @@ def _reduction_scale(reduction: str, input: Tensor, target: Tensor) -> float:
     return 1.0 / numel if reduction == "mean" and numel > 0 else 1.0
 
 
+def _reduced_factor(grad_output: Tensor | float, reduction: str, input: Tensor, target: Tensor) -> Tensor:
+    """grad_output times 1/N (mean) or 1 (sum), as a 0-d float64 tensor: a factor that the
+    gradient takes before its one rounding."""
+    factor = torch.as_tensor(grad_output, dtype=torch.float64).reshape(())
+    return factor * _reduction_scale(reduction, input, target)
+
+
 @torch.library.impl(_lib, "reduced_loss", "CPU")
 def _reduced_loss_cpu(
     input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
-    history_slot: int = -1, autocast: bool = False,
+    history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, reduction)
-    scale = _reduction_scale(reduction, input, target)
-    return (out, *_gradients_cpu(scale, input, target, loss, param, output_mask, autocast))
+    factor = _reduced_factor(expected_grad_output, reduction, input, target)
+    return (out, *_gradients_cpu(factor, input, target, loss, param, output_mask, autocast))
 
 
 @torch.library.impl(_lib, "reduced_loss_backward", "CPU")
 def _reduced_loss_backward_cpu(
     grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
-    output_mask: Sequence[bool], history_slot: int = -1, autocast: bool = False,
+    output_mask: Sequence[bool], history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    scale = _reduction_scale(reduction, input, target)
-    grad_input, grad_target = _gradients_cpu(scale, input, target, loss, param, output_mask, autocast)
-    return grad_input * grad_output, grad_target * grad_output
+    factor = _reduced_factor(grad_output, reduction, input, target)
+    return _gradients_cpu(factor, input, target, loss, param, output_mask, autocast)
+
+
+def _overwrite(buffers: Sequence[Tensor], gradients: Sequence[Tensor]) -> None:
+    for buffer, gradient in zip(buffers, gradients):
+        if buffer.numel():
+            buffer.copy_(gradient)
+
+
+@torch.library.impl(_lib, "reduced_loss_backward_", "CPU")
+def _reduced_loss_backward_in_place_cpu(
+    grad_input: Tensor, grad_target: Tensor, grad_output: Tensor, input: Tensor, target: Tensor, loss: str,
+    param: float, reduction: str, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
+) -> None:
+    # Recomputed whatever grad_output is: the host knows it here.
+    mask = [grad_input.numel() > 0, grad_target.numel() > 0]
+    _overwrite((grad_input, grad_target),
+               _reduced_loss_backward_cpu(grad_output, input, target, loss, param, reduction, mask, -1,
+                                          expected_grad_output, autocast))
 
 
 def weighted_factor(scale: Tensor | None, divisor: Tensor | None, host_scale: float) -> Tensor | float:
@@ -276,16 +331,16 @@ def weighted_gradients(
     divisor) of weighted_loss times grad_output, in the broadcast shape, with torch
     operations (differentiable: create_graph=True). The weight's is empty without a weight."""
     operands = as_computed(input, target, autocast)
-    factor = weighted_factor(scale, divisor, host_scale)
+    factor = weighted_factor(scale, divisor, host_scale) * torch.as_tensor(grad_output, dtype=torch.float64)
     per_element = factor if weight is None else weight.to(torch.float64) * factor
-    # Rounded once with the weight and scale, then times grad_output: the kernels' roundings.
-    grad = formulas.loss_grad(*operands, loss, param, per_element) * grad_output
+    # Every factor applied before the one rounding into each gradient's dtype.
+    grad = formulas.loss_grad(*operands, loss, param, per_element)
     loss_dtype = _loss_dtype(input, target, loss, autocast)
     if weight is None:
         grad_weight = input.new_empty((0,), dtype=loss_dtype)
     else:
         values = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
-        grad_weight = (values * factor).to(loss_dtype) * grad_output
+        grad_weight = (values * factor).to(loss_dtype)
     return grad.to(input.dtype), (-grad).to(target.dtype), grad_weight
 
 
@@ -306,11 +361,13 @@ def _masked(gradients: tuple[Tensor, Tensor, Tensor], output_mask: Sequence[bool
 @torch.library.impl(_lib, "weighted_loss", "CPU")
 def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
-    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], autocast: bool = False,
+    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], history_slot: int = -1,
+    expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_weighted_mask(output_mask)
     out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast)
-    gradients = weighted_gradients(1.0, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
+    gradients = weighted_gradients(expected_grad_output, input, target, weight, scale, divisor, host_scale, loss,
+                                   param, autocast)
     return (out, *_masked(gradients, output_mask))
 
 
@@ -318,7 +375,7 @@ def _weighted_loss_cpu(
 def _weighted_loss_backward_cpu(
     grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
-    autocast: bool = False,
+    history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_weighted_mask(output_mask)
     gradients = weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale, loss, param,
@@ -326,9 +383,15 @@ def _weighted_loss_backward_cpu(
     return _masked(gradients, output_mask)
 
 
-@torch.library.impl(_lib, "scale_", "CPU")
-def _scale_cpu(self: Tensor, scale: Tensor, history_slot: int = -1) -> None:
-    self.mul_(scale)
+@torch.library.impl(_lib, "weighted_loss_backward_", "CPU")
+def _weighted_loss_backward_in_place_cpu(
+    grad_input: Tensor, grad_target: Tensor, grad_weight: Tensor, grad_output: Tensor, input: Tensor,
+    target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None, host_scale: float,
+    loss: str, param: float, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
+) -> None:
+    _overwrite((grad_input, grad_target, grad_weight),
+               weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale, loss, param,
+                                  autocast))
 
 
 # ---- autograd ------------------------------------------------------------------
@@ -378,52 +441,56 @@ def _pointwise_backward(ctx, grad: Tensor):
 
 
 def _reduced_setup_context(ctx, inputs, output) -> None:
-    input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask, ctx.slot, ctx.autocast = inputs
+    (input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask, ctx.slot, ctx.expected_grad_output,
+     ctx.autocast) = inputs
     # Nothing flows back into the fused gradients; don't build N-sized zeros for them.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target)
-    # Kept outside save_for_backward: backward scales them in place and drops this
+    # Kept outside save_for_backward: backward corrects them in place and drops this
     # reference, so autograd can hand the buffer to .grad without a copy. Detached:
     # the outputs themselves point back at this node, and a graph dropped without
     # backward would then never be freed.
     ctx.fused_gradients = tuple(g.detach() for g in output[1:])
 
 
-def _scaled(fused_grad: Tensor, grad: Tensor, history_slot: int) -> Tensor:
-    if type(fused_grad) is not Tensor:
-        # Traced by AOTAutograd (torch.compile) or a subclass: stay functional, as
-        # a compiled backward may run again on the same saved buffers.
-        return fused_grad * grad
-    torch.ops.fusedloss.scale_(fused_grad, grad, history_slot)
-    return fused_grad
+def _fused_gradients(ctx, needs: Sequence[bool]) -> tuple[Tensor, ...] | None:
+    """The forward's gradients, when they hold every one wanted and the kernels can correct
+    them in place: once per graph (the first backward); None otherwise. A traced graph
+    (AOTAutograd, subclasses) recomputes them, staying functional."""
+    fused = ctx.fused_gradients
+    if fused is None or not all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
+        return None
+    if any(type(g) is not Tensor for g in fused):
+        return None
+    ctx.fused_gradients = None
+    return tuple(g if needed else g.new_empty((0,)) for g, needed in zip(fused, needs))
 
 
 def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad_target):
     if grad is None:
-        return None, None, None, None, None, None, None, None
+        return (None,) * 9
     input, target = ctx.saved_tensors
-    needs = ctx.needs_input_grad[:2]
-    fused = ctx.fused_gradients
+    needs = [bool(n) for n in ctx.needs_input_grad[:2]]
     if torch.is_grad_enabled():
         grad_input, grad_target = torch.ops.fusedloss.loss_gradients(
             grad, input, target, ctx.loss, ctx.param, ctx.reduction, ctx.autocast
         )
-    elif fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
-        # Scaled in place, so only the first backward through this graph may use them.
-        ctx.fused_gradients = None
-        grad_input = _scaled(fused[0], grad, ctx.slot) if needs[0] else None
-        grad_target = _scaled(fused[1], grad, ctx.slot) if needs[1] else None
+    elif (fused := _fused_gradients(ctx, needs)) is not None:
+        grad_input, grad_target = fused
+        torch.ops.fusedloss.reduced_loss_backward_(grad_input, grad_target, grad, input, target, ctx.loss, ctx.param,
+                                                   ctx.reduction, ctx.expected_grad_output, ctx.slot, ctx.autocast)
     else:
         grad_input, grad_target = torch.ops.fusedloss.reduced_loss_backward(
-            grad, input, target, ctx.loss, ctx.param, ctx.reduction, [bool(needs[0]), bool(needs[1])], ctx.slot,
+            grad, input, target, ctx.loss, ctx.param, ctx.reduction, needs, ctx.slot, ctx.expected_grad_output,
             ctx.autocast,
         )
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            None, None, None, None, None, None)
+            *(None,) * 7)
 
 
 def _weighted_setup_context(ctx, inputs, output) -> None:
-    input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast = inputs
+    (input, target, weight, scale, divisor, host_scale, loss, param, output_mask, ctx.slot, ctx.expected_grad_output,
+     autocast) = inputs
     ctx.arguments = (host_scale, loss, param, autocast)
     ctx.output_mask = output_mask
     ctx.set_materialize_grads(False)
@@ -437,27 +504,28 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
         raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
                            "compute it with torch operations")
     if grad is None:
-        return (None,) * 10
+        return (None,) * 12
     input, target, weight, scale, divisor, out = ctx.saved_tensors
     host_scale, loss, param, autocast = ctx.arguments
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    fused = ctx.fused_gradients
     if torch.is_grad_enabled() or (needs[2] and not (needs[0] or needs[1])):
         gradients = torch.ops.fusedloss.weighted_loss_gradients(
             grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
-    elif fused is not None and all(written or not needed for written, needed in zip(ctx.output_mask, needs)):
-        ctx.fused_gradients = None  # scaled in place: the first backward only
-        gradients = [_scaled(g, grad, -1) if needed else None for g, needed in zip(fused, needs)]
+    elif (gradients := _fused_gradients(ctx, needs)) is not None:
+        torch.ops.fusedloss.weighted_loss_backward_(*gradients, grad, input, target, weight, scale, divisor,
+                                                    host_scale, loss, param, ctx.expected_grad_output, ctx.slot,
+                                                    autocast)
     else:
         gradients = torch.ops.fusedloss.weighted_loss_backward(
-            grad, input, target, weight, scale, divisor, host_scale, loss, param, needs, autocast)
+            grad, input, target, weight, scale, divisor, host_scale, loss, param, needs, ctx.slot,
+            ctx.expected_grad_output, autocast)
     grad_input, grad_target, grad_weight = gradients
     grad_divisor = None
     if ctx.needs_input_grad[4]:
         grad_divisor = -(grad.to(divisor.dtype) * out.to(divisor.dtype)) / divisor
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
             _sum_to(grad_weight, weight).to(weight.dtype) if needs[2] else None, None, grad_divisor,
-            *(None,) * 5)
+            *(None,) * 7)
 
 
 torch.library.register_autograd(

@@ -34,43 +34,73 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 
 Tensors3 call_reduced_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
                            c10::string_view reduction, std::array<bool, 2> output_mask, int64_t slot,
-                           bool autocast) {
+                           double expected_grad_output, bool autocast) {
   static const auto op = find_op<Tensors3(const at::Tensor&, const at::Tensor&, c10::string_view, double,
-                                          c10::string_view, std::array<bool, 2>, int64_t, bool)>(
+                                          c10::string_view, std::array<bool, 2>, int64_t, double, bool)>(
       "fusedloss::reduced_loss");
-  return op.call(input, target, loss, param, reduction, output_mask, slot, autocast);
+  return op.call(input, target, loss, param, reduction, output_mask, slot, expected_grad_output, autocast);
 }
 
 Tensors2 call_reduced_loss_backward(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
                                     c10::string_view loss, double param, c10::string_view reduction,
-                                    std::array<bool, 2> output_mask, int64_t slot, bool autocast) {
+                                    std::array<bool, 2> output_mask, int64_t slot, double expected_grad_output,
+                                    bool autocast) {
   static const auto op = find_op<Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
-                                          double, c10::string_view, std::array<bool, 2>, int64_t, bool)>(
+                                          double, c10::string_view, std::array<bool, 2>, int64_t, double, bool)>(
       "fusedloss::reduced_loss_backward");
-  return op.call(grad, input, target, loss, param, reduction, output_mask, slot, autocast);
+  return op.call(grad, input, target, loss, param, reduction, output_mask, slot, expected_grad_output, autocast);
+}
+
+void call_reduced_loss_backward_(at::Tensor& grad_input, at::Tensor& grad_target, const at::Tensor& grad,
+                                 const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
+                                 double param, c10::string_view reduction, double expected_grad_output,
+                                 int64_t slot, bool autocast) {
+  static const auto op =
+      find_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   c10::string_view, double, c10::string_view, double, int64_t, bool)>(
+          "fusedloss::reduced_loss_backward_");
+  op.call(grad_input, grad_target, grad, input, target, loss, param, reduction, expected_grad_output, slot,
+          autocast);
 }
 
 using OptionalTensor = c10::optional<at::Tensor>;
 
 Tensors4 call_weighted_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
                             const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
-                            c10::string_view loss, double param, std::array<bool, 3> output_mask, bool autocast) {
+                            c10::string_view loss, double param, std::array<bool, 3> output_mask, int64_t slot,
+                            double expected_grad_output, bool autocast) {
   static const auto op =
       find_op<Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                       const OptionalTensor&, double, c10::string_view, double, std::array<bool, 3>, bool)>(
-          "fusedloss::weighted_loss");
-  return op.call(input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast);
+                       const OptionalTensor&, double, c10::string_view, double, std::array<bool, 3>, int64_t,
+                       double, bool)>("fusedloss::weighted_loss");
+  return op.call(input, target, weight, scale, divisor, host_scale, loss, param, output_mask, slot,
+                 expected_grad_output, autocast);
 }
 
 Tensors3 call_weighted_loss_backward(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
                                      const OptionalTensor& weight, const OptionalTensor& scale,
                                      const OptionalTensor& divisor, double host_scale, c10::string_view loss,
-                                     double param, std::array<bool, 3> output_mask, bool autocast) {
+                                     double param, std::array<bool, 3> output_mask, int64_t slot,
+                                     double expected_grad_output, bool autocast) {
   static const auto op =
       find_op<Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                        const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
-                       std::array<bool, 3>, bool)>("fusedloss::weighted_loss_backward");
-  return op.call(grad, input, target, weight, scale, divisor, host_scale, loss, param, output_mask, autocast);
+                       std::array<bool, 3>, int64_t, double, bool)>("fusedloss::weighted_loss_backward");
+  return op.call(grad, input, target, weight, scale, divisor, host_scale, loss, param, output_mask, slot,
+                 expected_grad_output, autocast);
+}
+
+void call_weighted_loss_backward_(at::Tensor& grad_input, at::Tensor& grad_target, at::Tensor& grad_weight,
+                                  const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
+                                  const OptionalTensor& weight, const OptionalTensor& scale,
+                                  const OptionalTensor& divisor, double host_scale, c10::string_view loss,
+                                  double param, double expected_grad_output, int64_t slot, bool autocast) {
+  static const auto op =
+      find_op<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, double, c10::string_view,
+                   double, double, int64_t, bool)>("fusedloss::weighted_loss_backward_");
+  op.call(grad_input, grad_target, grad_weight, grad, input, target, weight, scale, divisor, host_scale, loss, param,
+          expected_grad_output, slot, autocast);
 }
 
 at::Tensor call_pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
@@ -86,11 +116,6 @@ Tensors2 call_pointwise_loss_backward(const at::Tensor& grad, const at::Tensor& 
   static const auto op = find_op<Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
                                           double, std::array<bool, 2>, bool)>("fusedloss::pointwise_loss_backward");
   return op.call(grad, input, target, loss, param, output_mask, autocast);
-}
-
-void call_scale_(at::Tensor& self, const at::Tensor& scale, int64_t slot) {
-  static const auto op = find_op<void(at::Tensor&, const at::Tensor&, int64_t)>("fusedloss::scale_");
-  op.call(self, scale, slot);
 }
 
 // create_graph=True: gradients that autograd can differentiate again, already
@@ -170,14 +195,17 @@ struct LossBackward : Node {
   }
 };
 
-// The gradients the forward wrote, times grad: input's, target's and (for
-// weighted_loss) the weight's, per element. Scaled in place, so only the first
-// backward through a graph may use them; handed over without a copy.
+// The gradients the forward wrote for an expected grad_output: input's, target's
+// and (for weighted_loss) the weight's, per element. Backward corrects them in place
+// where grad_output turns out otherwise (on the GPU), so only the first backward
+// through a graph may use them; they are handed over without a copy.
 using Needs = std::array<bool, 3>;
 using Gradients = std::array<at::Tensor, 3>;
 
 struct FusedGradients {
   Gradients grads;
+  int64_t slot = -1;  // where backward notes grad_output
+  double expected_grad_output = 1.0;
 
   // What the forward wrote: the reduction's outputs after the loss, where asked.
   template <class Outputs>
@@ -189,40 +217,43 @@ struct FusedGradients {
     }
   }
 
+  // Whether they hold every gradient wanted, as tensors the kernels can correct (a
+  // traced subclass recomputes them instead).
   bool cover(Needs needs) const {
     bool any = false;
     for (size_t i = 0; i < grads.size(); ++i) {
       if (needs[i] && !grads[i].defined()) return false;
+      if (grads[i].defined() && at::isTensorSubclassLike(grads[i])) return false;
       any = any || grads[i].defined();
     }
     return any;
   }
 
-  Gradients take(Needs needs, const at::Tensor& grad, int64_t slot) {
-    Gradients out;
+  // The wanted gradients, after `correct` has had them in place (an empty tensor
+  // stands for each one not wanted).
+  template <class Correct>
+  Gradients take(Needs needs, const at::Tensor& like, Correct&& correct) {
+    Gradients out, args;
     for (size_t i = 0; i < grads.size(); ++i) {
       at::Tensor fused = std::move(grads[i]);
-      if (!needs[i]) continue;
-      if (at::isTensorSubclassLike(fused)) {  // traced: stay functional
-        out[i] = at::mul(fused, grad);
-        continue;
-      }
-      {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        call_scale_(fused, grad, slot);
-      }
-      torch::autograd::impl::bump_version(fused);
-      out[i] = std::move(fused);
+      if (needs[i]) out[i] = std::move(fused);
+      args[i] = out[i].defined() ? out[i] : at::empty({0}, like.options());
+    }
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      correct(args[0], args[1], args[2]);
+    }
+    for (const at::Tensor& g : out) {
+      if (g.defined()) torch::autograd::impl::bump_version(g);
     }
     return out;
   }
 };
 
-// The fused gradient times grad, or the gradient recomputed from the operands:
-// the same bits either way (ops.py).
+// The fused gradient, corrected where grad_output was not the one expected, or
+// the gradient recomputed from the operands: the same bits either way (ops.py).
 struct ReducedLossBackward : LossBackward {
   std::string reduction_;
-  int64_t slot_ = -1;
   FusedGradients fused_;
 
   std::string name() const override { return "ReducedLossBackward"; }
@@ -245,13 +276,17 @@ struct ReducedLossBackward : LossBackward {
       std::tie(grad_input, grad_target) =
           call_loss_gradients(grad, input, target, loss_, param_, reduction_, autocast_);
     } else if (const Needs operands{wanted[0], wanted[1], false}; fused_.cover(operands)) {
-      Gradients fused = fused_.take(operands, grad, slot_);
+      Gradients fused = fused_.take(operands, input, [&](at::Tensor& gi, at::Tensor& gt, at::Tensor&) {
+        call_reduced_loss_backward_(gi, gt, grad, input, target, loss_, param_, reduction_,
+                                    fused_.expected_grad_output, fused_.slot, autocast_);
+      });
       grad_input = std::move(fused[0]);
       grad_target = std::move(fused[1]);
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(grad_input, grad_target) =
-          call_reduced_loss_backward(grad, input, target, loss_, param_, reduction_, wanted, slot_, autocast_);
+          call_reduced_loss_backward(grad, input, target, loss_, param_, reduction_, wanted, fused_.slot,
+                                     fused_.expected_grad_output, autocast_);
     }
     return operand_gradients(grad_input, grad_target, input, target, wanted);
   }
@@ -303,12 +338,17 @@ struct WeightedLossBackward : LossBackward {
       std::tie(g[0], g[1], g[2]) = op.call(grad, input, target, weight, scale, defined_or_none(divisor), host_scale_,
                                            loss_, param_, autocast_);
     } else if (fused_.cover(wanted)) {
-      g = fused_.take(wanted, grad, -1);
+      g = fused_.take(wanted, input, [&](at::Tensor& gi, at::Tensor& gt, at::Tensor& gw) {
+        call_weighted_loss_backward_(gi, gt, gw, grad, input, target, weight, scale, defined_or_none(divisor),
+                                     host_scale_, loss_, param_, fused_.expected_grad_output, fused_.slot,
+                                     autocast_);
+      });
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(g[0], g[1], g[2]) = call_weighted_loss_backward(grad, input, target, weight, scale,
                                                                defined_or_none(divisor), host_scale_, loss_, param_,
-                                                               wanted, autocast_);
+                                                               wanted, fused_.slot, fused_.expected_grad_output,
+                                                               autocast_);
     }
     variable_list out = operand_gradients(g[0], g[1], input, target, {wanted[0], wanted[1]});
     out.push_back(wanted[2] ? summed_to(g[2], weight_tensor).to(weight_tensor.scalar_type()) : at::Tensor());
@@ -347,18 +387,20 @@ struct PointwiseLossBackward : LossBackward {
 // The autograd kernels: with no gradient wanted, straight to the CUDA kernel.
 Tensors3 reduced_loss_autograd(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
                                double param, c10::string_view reduction, std::array<bool, 2> output_mask,
-                               int64_t slot, bool autocast) {
+                               int64_t slot, double expected_grad_output, bool autocast) {
   check_no_tangents(input, target, "reduced_loss");
   Tensors3 outputs;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    outputs = call_reduced_loss(input, target, loss, param, reduction, output_mask, slot, autocast);
+    outputs = call_reduced_loss(input, target, loss, param, reduction, output_mask, slot, expected_grad_output,
+                                autocast);
   }
   if (!wants_gradients(input, target)) return outputs;
   auto node = make_node<ReducedLossBackward>();
   node->save(input, target, loss, param, autocast);
   node->reduction_ = std::string(reduction);
-  node->slot_ = slot;
+  node->fused_.slot = slot;
+  node->fused_.expected_grad_output = expected_grad_output;
   node->fused_.keep(outputs, {output_mask[0], output_mask[1], false});
   torch::autograd::set_history(std::get<0>(outputs), node);
   return outputs;
@@ -366,8 +408,8 @@ Tensors3 reduced_loss_autograd(const at::Tensor& input, const at::Tensor& target
 
 Tensors4 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
                                 const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
-                                c10::string_view loss, double param, std::array<bool, 3> output_mask,
-                                bool autocast) {
+                                c10::string_view loss, double param, std::array<bool, 3> output_mask, int64_t slot,
+                                double expected_grad_output, bool autocast) {
   check_no_tangents(input, target, "weighted_loss");
   const at::Tensor weight_tensor = weight.value_or(at::Tensor());
   const at::Tensor divisor_tensor = divisor.value_or(at::Tensor());
@@ -381,8 +423,8 @@ Tensors4 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& targe
   Tensors4 outputs;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    outputs = call_weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
-                                 autocast);
+    outputs = call_weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask, slot,
+                                 expected_grad_output, autocast);
   }
   const bool weight_grad = weight_tensor.defined() && weight_tensor.requires_grad();
   const bool divisor_grad = divisor_tensor.defined() && divisor_tensor.requires_grad();
@@ -396,6 +438,8 @@ Tensors4 weighted_loss_autograd(const at::Tensor& input, const at::Tensor& targe
   node->scale_ = SavedVariable(scale.value_or(at::Tensor()), false);
   node->divisor_ = SavedVariable(divisor_tensor, false);
   node->host_scale_ = host_scale;
+  node->fused_.slot = slot;
+  node->fused_.expected_grad_output = expected_grad_output;
   node->fused_.keep(outputs, output_mask);
   torch::autograd::set_history(std::get<0>(outputs), node);
   if (divisor_grad) node->out_ = SavedVariable(std::get<0>(outputs), true);

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <limits>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "launch.h"
@@ -53,12 +52,6 @@ DType to_dtype(at::ScalarType t) {
     case at::kDouble: return DType::kFloat64;
     default: TORCH_CHECK(false, "fusedloss: unsupported dtype ", t);
   }
-}
-
-int current_device_sm_count() {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return count;
 }
 
 // The operands as the kernels take them: broadcast to one shape, contiguous
@@ -164,29 +157,66 @@ void* data_or_null(const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : 
 // Skips the dispatch of a conversion to the dtype a tensor has: this runs on every call.
 at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
-// One int32 per slot, 1 when the last backward in that slot had grad_output != 1
-// (fusedloss/gradient_placement.py). Host memory that the kernels write and the
-// host reads without a sync: mapped and portable, so under unified addressing
-// its address is valid on every device. Allocated on first use, never freed.
+// Two doubles per slot: the grad_output the last backward in that slot saw, and 1
+// where it was not the one that backward's forward expected, else 0
+// (fusedloss/grad_output_prediction.py); 1 and 0 until then. Host memory that the
+// kernels write and the host reads without a sync: mapped and portable, so under
+// unified addressing its address is valid on every device. Allocated on first use,
+// never freed.
 constexpr int64_t kHistorySlots = 64;
 
-int32_t* history_table() {
-  static int32_t* const table = [] {
+double* history_table() {
+  static double* const table = [] {
     void* p = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&p, kHistorySlots * sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(p, 0, kHistorySlots * sizeof(int32_t));
-    return static_cast<int32_t*>(p);
+    C10_CUDA_CHECK(cudaHostAlloc(&p, kHistorySlots * 2 * sizeof(double), cudaHostAllocMapped | cudaHostAllocPortable));
+    double* notes = static_cast<double*>(p);
+    for (int64_t slot = 0; slot < kHistorySlots; ++slot) {
+      notes[2 * slot] = 1.0;
+      notes[2 * slot + 1] = 0.0;
+    }
+    return notes;
   }();
   return table;
 }
 
 at::Tensor grad_output_history() {
-  return at::from_blob(history_table(), {kHistorySlots}, at::TensorOptions().dtype(at::kInt));
+  return at::from_blob(history_table(), {kHistorySlots, 2}, at::TensorOptions().dtype(at::kDouble));
 }
 
-int32_t* history_slot(int64_t slot) {
+double* history_slot(int64_t slot) {
   TORCH_CHECK(slot < kHistorySlots, "fusedloss: history slot ", slot, " out of range");
-  return slot < 0 ? nullptr : history_table() + slot;
+  return slot < 0 ? nullptr : history_table() + 2 * slot;
+}
+
+int current_device_sm_count() {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return count;
+}
+
+// A backward that notes grad_output in `slot`, and with `correct_in_place` corrects
+// gradients the forward wrote for another grad_output (BackwardOptions).
+BackwardOptions backward_options(int64_t slot, bool correct_in_place) {
+  BackwardOptions options;
+  options.history = history_slot(slot);
+  options.correct_in_place = correct_in_place;
+  options.num_sms = correct_in_place ? current_device_sm_count() : 0;
+  return options;
+}
+
+// A gradient buffer that the forward wrote, as the kernels write into it: of the
+// operand's shape as they read it, in `dtype`; null when it is empty (not wanted).
+void* written_gradient(const at::Tensor& grad, const at::Tensor& operand, at::ScalarType dtype) {
+  if (grad.numel() == 0) return nullptr;
+  TORCH_CHECK(grad.device() == operand.device() && grad.sizes() == operand.sizes() && grad.scalar_type() == dtype &&
+                  grad.is_contiguous() && is_aligned16(grad),
+              "fusedloss: a gradient to correct must be the forward's own buffer: contiguous, of shape ",
+              operand.sizes(), " and dtype ", dtype, " on ", operand.device());
+  return grad.data_ptr();
+}
+
+void* written_gradient(const at::Tensor& grad, const at::Tensor& operand) {
+  return written_gradient(grad, operand, operand.scalar_type());
 }
 
 at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
@@ -198,15 +228,17 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
   return out;
 }
 
-// history_slot is autograd's (see reduced_loss_backward); the forward ignores it.
+// history_slot is autograd's, for the backward; expected_grad_output multiplies the
+// gradients the forward writes (LossProblem).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reduced_loss(const at::Tensor& input, const at::Tensor& target,
                                                             c10::string_view loss, double param,
                                                             c10::string_view reduction,
                                                             std::array<bool, 2> output_mask, int64_t,
-                                                            bool autocast) {
+                                                            double expected_grad_output, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param, autocast);
+  ops.problem.expected_grad_output = expected_grad_output;
   at::Tensor out = at::empty({}, ops.input.options().dtype(ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
@@ -224,19 +256,41 @@ std::tuple<at::Tensor, at::Tensor> reduced_loss_backward(const at::Tensor& grad_
                                                          const at::Tensor& target, c10::string_view loss,
                                                          double param, c10::string_view reduction,
                                                          std::array<bool, 2> output_mask, int64_t history_slot_index,
-                                                         bool autocast) {
+                                                         double expected_grad_output, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   const bool mean = parse_mean(reduction);
   Operands ops = prepare(input, target, loss, param, autocast);
+  ops.problem.expected_grad_output = expected_grad_output;  // for the note only
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
               "fusedloss: reduced_loss_backward takes a one-element grad_output on ", input.device());
   const at::Tensor go = as_dtype(grad_output, ops.loss_dtype);  // one element: its layout does not matter
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], ops.input);
   at::Tensor grad_target = maybe_grad_buffer(output_mask[1], ops.target);
   C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean, data_or_null(grad_input),
-                                              data_or_null(grad_target), history_slot(history_slot_index),
+                                              data_or_null(grad_target),
+                                              backward_options(history_slot_index, false),
                                               c10::cuda::getCurrentCUDAStream()));
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
+}
+
+// The gradients a forward wrote for expected_grad_output, recomputed in place for
+// grad_output where that differs (decided on the GPU: no sync).
+void reduced_loss_backward_(at::Tensor& grad_input, at::Tensor& grad_target, const at::Tensor& grad_output,
+                        const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
+                        c10::string_view reduction, double expected_grad_output, int64_t history_slot_index,
+                        bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool mean = parse_mean(reduction);
+  Operands ops = prepare(input, target, loss, param, autocast);
+  ops.problem.expected_grad_output = expected_grad_output;
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: reduced_loss_backward_ takes a one-element grad_output on ", input.device());
+  const at::Tensor go = as_dtype(grad_output, ops.loss_dtype);
+  C10_CUDA_CHECK(launch_reduced_loss_backward(ops.problem, go.data_ptr(), mean,
+                                              written_gradient(grad_input, ops.input),
+                                              written_gradient(grad_target, ops.target),
+                                              backward_options(history_slot_index, true),
+                                              c10::cuda::getCurrentCUDAStream()));
 }
 
 // A build may leave the kernels of the Weighted policy out (the KernelBench
@@ -437,12 +491,15 @@ at::Tensor maybe_weight_grad_buffer(std::array<bool, 3> output_mask, const Weigh
   return maybe_grad_buffer(output_mask[2], w.ops.input.options().dtype(w.ops.loss_dtype), w.ops.input.sizes());
 }
 
+// history_slot is autograd's, for the backward; expected_grad_output as in reduced_loss.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weighted_loss(
     const at::Tensor& input, const at::Tensor& target, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& divisor, double host_scale,
-    c10::string_view loss, double param, std::array<bool, 3> output_mask, bool autocast) {
+    c10::string_view loss, double param, std::array<bool, 3> output_mask, int64_t, double expected_grad_output,
+    bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  w.ops.problem.expected_grad_output = expected_grad_output;
   const at::Tensor& operand = w.ops.input;
   at::Tensor out = at::empty({}, operand.options().dtype(w.ops.loss_dtype));
   at::Tensor grad_input = maybe_grad_buffer(output_mask[0], operand);
@@ -461,9 +518,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
     const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss, double param,
-    std::array<bool, 3> output_mask, bool autocast) {
+    std::array<bool, 3> output_mask, int64_t history_slot_index, double expected_grad_output, bool autocast) {
   const c10::cuda::CUDAGuard guard(input.device());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  w.ops.problem.expected_grad_output = expected_grad_output;  // for the note only
   TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
               "fusedloss: weighted_loss_backward takes a one-element grad_output on ", input.device());
   const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
@@ -472,21 +530,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_loss_backward(
   at::Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
   C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(w.ops.problem, go.data_ptr(), data_or_null(grad_input),
                                                        data_or_null(grad_target), data_or_null(grad_weight),
+                                                       backward_options(history_slot_index, false),
                                                        c10::cuda::getCurrentCUDAStream()));
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
-#endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
-void scale_(at::Tensor& self, const at::Tensor& scale, int64_t history_slot_index) {
-  TORCH_CHECK(self.is_cuda() && scale.device() == self.device() && scale.numel() == 1,
-              "fusedloss: scale_ takes a one-element scale on the tensor's device");
-  TORCH_CHECK(self.is_contiguous() && is_aligned16(self), "fusedloss: scale_ needs a contiguous, 16-byte aligned tensor");
-  const c10::cuda::CUDAGuard guard(self.device());
-  C10_CUDA_CHECK(launch_scale_in_place(self.data_ptr(), to_dtype(self.scalar_type()), self.numel(),
-                                       scale.data_ptr(), to_dtype(scale.scalar_type()),
-                                       current_device_sm_count(), history_slot(history_slot_index),
-                                       c10::cuda::getCurrentCUDAStream()));
+// weighted_loss's gradients for expected_grad_output, recomputed in place for
+// grad_output where that differs, as reduced_loss_backward_.
+void weighted_loss_backward_(at::Tensor& grad_input, at::Tensor& grad_target, at::Tensor& grad_weight,
+                                 const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& target,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& scale,
+                                 const c10::optional<at::Tensor>& divisor, double host_scale, c10::string_view loss,
+                                 double param, double expected_grad_output, int64_t history_slot_index,
+                                 bool autocast) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  w.ops.problem.expected_grad_output = expected_grad_output;
+  TORCH_CHECK(grad_output.device() == input.device() && grad_output.numel() == 1,
+              "fusedloss: weighted_loss_backward_ takes a one-element grad_output on ", input.device());
+  const at::Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
+  C10_CUDA_CHECK(launch_weighted_reduced_loss_backward(
+      w.ops.problem, go.data_ptr(), written_gradient(grad_input, w.ops.input),
+      written_gradient(grad_target, w.ops.target), written_gradient(grad_weight, w.ops.input, w.ops.loss_dtype),
+      backward_options(history_slot_index, true), c10::cuda::getCurrentCUDAStream()));
 }
+#endif  // FUSEDLOSS_NO_WEIGHTED_KERNELS
 
 }  // namespace
 
@@ -501,10 +569,11 @@ TORCH_LIBRARY_IMPL(FUSEDLOSS_OPS_NAMESPACE, CUDA, m) {
   m.impl("pointwise_loss_backward", &pointwise_loss_backward);
   m.impl("reduced_loss", &reduced_loss);
   m.impl("reduced_loss_backward", &reduced_loss_backward);
-  m.impl("scale_", &scale_);
+  m.impl("reduced_loss_backward_", &reduced_loss_backward_);
 #ifndef FUSEDLOSS_NO_WEIGHTED_KERNELS
   m.impl("weighted_loss", &weighted_loss);
   m.impl("weighted_loss_backward", &weighted_loss_backward);
+  m.impl("weighted_loss_backward_", &weighted_loss_backward_);
 #endif
 }
 

@@ -2,6 +2,8 @@
 // one tile per block (elementwise.cuh).
 #pragma once
 
+#include <algorithm>
+
 #include <cooperative_groups.h>
 
 #include "exact_sum.cuh"
@@ -18,6 +20,7 @@ template <int kCopies, class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
   using Sum = ExactSum<typename Op::T>;
   static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
+  op.begin();
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
@@ -93,15 +96,47 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) elementwise_k
   visit_tile(op, n);
 }
 
-// Notes in `history` (host memory, when set) whether grad_output != 1, and
-// walks the tiles from the last: the forward just read those, so the first
-// ones this walk reads are still in L2.
+// Whether two values have the same bits: a prediction of grad_output holds only
+// then (-0 is not 0, and a NaN that was seen is expected again).
+template <typename T>
+__device__ __forceinline__ bool same_bits(T a, T b) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return __float_as_uint(a) == __float_as_uint(b);
+  } else {
+    return __double_as_longlong(a) == __double_as_longlong(b);
+  }
+}
+
+// The gradients of a mean or sum for grad_output, over `tiles` tiles walked from
+// the last (the forward just read those, so the first ones this walk reads are
+// still in L2), gridDim.x apart: one tile per block, or, when correcting the
+// forward's gradients, one wave that returns at once where they were computed
+// for this grad_output. Notes in `history` (host memory, when set) grad_output and
+// whether it was not the one expected.
 template <class Op>
-__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_backward_kernel(Op op, int64_t n,
-                                                                                                int32_t* history) {
-  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = to_opmath(*op.grad_output) != 1;
-  op.begin();
-  visit_tile(op, n, int64_t(gridDim.x) - 1 - blockIdx.x);
+__global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_backward_kernel(
+    Op op, int64_t n, int64_t tiles, double* history, bool correct_in_place, double expected_grad_output) {
+  using T = typename Op::T;
+  const T go = to_opmath(*op.grad_output);
+  const bool expected = same_bits(go, T(expected_grad_output));
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    history[0] = double(go);
+    history[1] = expected ? 0.0 : 1.0;
+  }
+  if (correct_in_place && expected) return;
+  op.begin(go);
+#pragma unroll 1
+  for (int64_t tile = tiles - 1 - blockIdx.x; tile >= 0; tile -= gridDim.x) visit_tile(op, n, tile);
+}
+
+template <class Op>
+cudaError_t launch_backward_kernel(const Op& op, const LossProblem& p, int64_t tiles, const BackwardOptions& options,
+                                   cudaStream_t stream) {
+  const int64_t wave = std::max<int64_t>(1, int64_t(options.num_sms) * Op::kBlocksPerSm);
+  const int64_t blocks = options.correct_in_place ? std::min(tiles, wave) : tiles;
+  reduced_loss_backward_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(
+      op, p.numel, tiles, options.history, options.correct_in_place, p.expected_grad_output);
+  return cudaGetLastError();
 }
 
 // A weighted reduction's pass: each tile's sum (of either sign) into its slot
@@ -155,22 +190,6 @@ __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(cons
     // An empty mean is 0 / 0 = NaN, as in PyTorch.
     *out = Convert<Out>::from(mean ? total / double(numel) : total);
   }
-}
-
-// One wave of blocks, each walking every gridDim.x-th tile: when scale == 1
-// (the common loss.backward()) the whole launch is one wave that exits at
-// once, not one block per tile. Notes in `history` (when set) whether scale != 1.
-template <typename S>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) scale_in_place_kernel(S* data, int64_t n, int64_t tiles,
-                                                                                     const void* scale,
-                                                                                     DType scale_dtype,
-                                                                                     int32_t* history) {
-  const double s = load_as_double(scale, scale_dtype);
-  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *history = s != 1.0;
-  if (s == 1.0) return;
-  ScaleOp<S> op{data, static_cast<typename ScaleOp<S>::T>(s)};
-#pragma unroll 1
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) visit_tile(op, n, tile);
 }
 
 }  // namespace fusedloss

@@ -70,9 +70,26 @@ struct LossProblem {
   DType target_dtype;
   int64_t numel;
   bool autocast = false;
+  // The grad_output a forward's gradients are multiplied by: the one the last backward
+  // of the same loss saw, predicted, so that each gradient is rounded once, after every
+  // factor, and backward has nothing to do when the prediction holds.
+  double expected_grad_output = 1.0;
   // The weighted reductions' only (launch_weighted_reduced_loss*).
   ElementWeight weight;
   DeviceScale scale;
+};
+
+// What a backward launch does besides computing the gradients. `history`: null, or a
+// slot of host-mapped memory (grad_output_history in fusedloss_ops.cpp) where the kernel
+// writes grad_output and whether it differed from problem.expected_grad_output, for the
+// next forward to predict from without a sync.
+// `correct_in_place`: the gradient buffers already hold the forward's gradients for
+// problem.expected_grad_output; they are recomputed only when grad_output differs from
+// it (in its bits), by one wave of `num_sms` SMs' blocks that otherwise exits at once.
+struct BackwardOptions {
+  double* history = nullptr;
+  bool correct_in_place = false;
+  int num_sms = 0;
 };
 
 // The pairs the kernels read directly under autocast: float16 or bfloat16 with
@@ -88,17 +105,19 @@ constexpr bool reads_under_autocast(DType input, DType target) {
 // (reduced_loss_scratch_bytes; the launch zeroes it), so the result has the
 // same bits on every run and needs no memory in proportion to N; and, where
 // the pointers are set, d loss / d input and d loss / d target (times 1/N for
-// a mean) in the same pass. A small loss with no gradient to write is one
-// launch that needs no scratch (0 bytes; `scratch` may be null); a middling
-// one two launches whose scratch need not be zeroed.
+// a mean and times problem.expected_grad_output) in the same pass. A small
+// loss with no gradient to write is one launch that needs no scratch (0 bytes;
+// `scratch` may be null); a middling one two launches whose scratch need not
+// be zeroed.
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
 cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void* grad_input,
                                 void* grad_target, bool mean, void* out, cudaStream_t stream);
 
 // A weighted sum, scale * sum_e weight(e) * loss(e), into the 0-d `out` in the
-// loss's dtype, and where the pointers are set the gradients (times weight and
-// scale) in the same pass. `grad_weight` (the loss's dtype and size) gets
-// scale * loss(e), d out / d weight(e) for a fixed scale; it is written only
+// loss's dtype, and where the pointers are set the gradients (times weight,
+// scale and problem.expected_grad_output) in the same pass. `grad_weight` (the loss's dtype and size) gets
+// scale * loss(e) (times the expected grad_output), d out / d weight(e) for a
+// fixed scale; it is written only
 // beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
 // sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
 // second launch adds up in a fixed order: the same bits on every run, with
@@ -108,11 +127,11 @@ cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* par
                                          void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 
 // Its backward for a one-element `grad_output` in the loss's dtype: the
-// forward's gradients times grad_output, recomputed, with the bits that scaling
-// those in place gives.
+// forward's gradients for grad_output, recomputed, with the bits the forward
+// gives when it expects that grad_output.
 cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, const void* grad_output,
                                                   void* grad_input, void* grad_target, void* grad_weight,
-                                                  cudaStream_t stream);
+                                                  const BackwardOptions& options, cudaStream_t stream);
 
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
@@ -131,20 +150,11 @@ cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& problem,
                                                      void* grad_input, void* grad_target, cudaStream_t stream);
 
 // A mean's or sum's backward, for a one-element `grad_output` in the loss's
-// dtype, when the forward wrote no gradient: d loss / d input and d loss /
-// d target recomputed from the operands, with the bits that the forward's
-// gradients scaled by launch_scale_in_place would have.
+// dtype: d loss / d input and d loss / d target times grad_output (times 1/N
+// for a mean), each rounded once, with the bits the forward gives when it
+// expects that grad_output.
 cudaError_t launch_reduced_loss_backward(const LossProblem& problem, const void* grad_output, bool mean,
-                                         void* grad_input, void* grad_target, int32_t* history,
+                                         void* grad_input, void* grad_target, const BackwardOptions& options,
                                          cudaStream_t stream);
-
-// data *= *scale in place. Every block returns at once when *scale == 1, so
-// the common `loss.backward()` moves no memory and needs no host sync.
-cudaError_t launch_scale_in_place(void* data, DType dtype, int64_t numel, const void* scale, DType scale_dtype,
-                                  int num_sms, int32_t* history, cudaStream_t stream);
-
-// Both backward launches take `history`: null, or a slot of host-mapped memory
-// (grad_output_history in fusedloss_ops.cpp) where the kernel notes whether
-// grad_output was other than 1, for the next forward to read without a sync.
 
 }  // namespace fusedloss

@@ -54,8 +54,11 @@ struct Unweighted {
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
+  // The gradients' factor: the reduction's (1/N or 1) times grad_output, rounded once.
   template <typename T>
-  __device__ __forceinline__ void begin(T&) const {}
+  __device__ __forceinline__ void begin(T& grad_scale, double reduction_scale, double grad_output) const {
+    grad_scale = T(reduction_scale * grad_output);
+  }
 };
 
 struct WeightIndex {
@@ -170,9 +173,12 @@ struct Weighted {
   }
   template <int W, typename V>
   __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
-  // The gradients' factor, the same in the forward's pass and in backward's.
+  // The gradients' factor, scale / divisor times grad_output, rounded once (the
+  // reduction's 1/N is in the host's scale).
   template <typename V>
-  __device__ __forceinline__ void begin(V& grad_scale) const { grad_scale = V(factor()); }
+  __device__ __forceinline__ void begin(V& grad_scale, double, double grad_output) const {
+    grad_scale = V(factor() * grad_output);
+  }
 };
 
 // The vector width covers 16 bytes of the narrower operand; one chunk per
@@ -271,11 +277,15 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using typename Base::Out;
   // The weight's gradient goes with the operands' (a pass that writes none keeps its registers).
   static constexpr bool kWritesWeightGradient = Weights::kHasGradient && kGrads != Grads::kNone;
-  T grad_scale;
+  double reduction_scale;  // 1/N or 1 (Unweighted)
+  double expected_grad_output;
+  T grad_scale;  // set by begin
   double sum;
   Weights weights;
 
-  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
+  // The gradients' factor, for the grad_output that backward is expected to bring, as
+  // ReducedLossBackwardOp::begin computes it for the real one.
+  __device__ __forceinline__ void begin() { weights.begin(grad_scale, reduction_scale, expected_grad_output); }
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
@@ -383,16 +393,10 @@ struct PointwiseLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In,
   }
 };
 
-// v times factor, rounded once into v's dtype: how backward scales a fused gradient.
-template <typename S, typename T>
-__device__ __forceinline__ S rounded_product(S v, T factor) {
-  return Convert<S>::from(to_opmath(v) * factor);
-}
-
 // The gradients of a mean or sum for a one-element grad_output, recomputed from
-// input and target: the fused forward's gradients (times grad_scale, rounded)
-// times grad_output, rounded again, as scaling those in place does. Either way
-// gives the same bits.
+// input and target: every factor (the reduction's, the weight, grad_output)
+// applied in float32 (float64 for fp64 data) and each gradient rounded once, with
+// the bits the forward's pass writes when it expects this grad_output.
 template <class Loss, typename In, typename Tgt, Grads kGrads, class Weights = Unweighted>
 struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
   using Base = PairOp<Loss, In, Tgt>;
@@ -404,11 +408,12 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
   };
 
   static constexpr int kBlocksPerSm = Weights::template kBlocksPerSmFor<Base::kVec>;
+  double reduction_scale;  // as in ReducedLossOp
   T grad_scale;
   const Out* __restrict__ grad_output;
   Weights weights;
 
-  __device__ __forceinline__ void begin() { weights.begin(grad_scale); }
+  __device__ __forceinline__ void begin(T go) { weights.begin(grad_scale, reduction_scale, double(go)); }
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
@@ -418,23 +423,18 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
 
   template <int W>
   __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
-    const T go = to_opmath(*grad_output);
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
     alignas(16) Out gw[Weights::kHasGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T factor = Weights::times(c.weight, k, grad_scale);
-      if (this->writes_input()) {
-        gi[k] = rounded_product(this->rounded_input_grad(c.input[k], c.target[k], factor), go);
-      }
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
-        gt[k] = rounded_product(this->rounded_target_grad(c.input[k], c.target[k], factor), go);
+        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
       }
       if constexpr (Weights::kHasGradient) {
-        if (weights.writes_gradient()) {
-          gw[k] = rounded_product(Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale), go);
-        }
+        if (weights.writes_gradient()) gw[k] = Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale);
       }
     }
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);
@@ -442,31 +442,6 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     if constexpr (Weights::kHasGradient) {
       if (weights.writes_gradient()) store_chunk(static_cast<Out*>(weights.grad), first, gw);
     }
-  }
-};
-
-template <typename S>
-struct ScaleOp {
-  using T = opmath_t<S, S>;
-  static constexpr int kVec = 16 / sizeof(S);
-  static constexpr int kChunksPerThread = 1;
-  static constexpr int kChunksInFlight = 1;
-  template <int W>
-  struct Chunk {
-    alignas(16) S data[W];
-  };
-
-  S* __restrict__ data;
-  T scale;
-
-  template <int W>
-  __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const { load_chunk(c.data, data, first); }
-  template <int W>
-  __device__ __forceinline__ void apply(const Chunk<W>& c, int64_t first) const {
-    alignas(16) S scaled[W];
-#pragma unroll
-    for (int k = 0; k < W; ++k) scaled[k] = rounded_product(c.data[k], scale);
-    store_chunk(data, first, scaled);
   }
 };
 

@@ -34,7 +34,8 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
     op.grad_input = static_cast<In*>(grad_input);
     op.grad_target = static_cast<Tgt*>(grad_target);
     using T = typename Op::T;
-    op.grad_scale = static_cast<T>(mean ? 1.0 / double(p.numel) : 1.0);
+    op.reduction_scale = mean ? 1.0 / double(p.numel) : 1.0;
+    op.expected_grad_output = double(static_cast<T>(p.expected_grad_output));
     constexpr int kSmall = scratch_copies<T>(0);
     constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
     const auto kernel = scratch_copies<T>(tiles) == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;

@@ -4,6 +4,6 @@
 namespace fusedloss {
 
 template cudaError_t launch_weighted_backward_pass<Grads::kInput>(const LossProblem&, const void*, void*, void*,
-                                                                  void*, cudaStream_t);
+                                                                  void*, const BackwardOptions&, cudaStream_t);
 
 }  // namespace fusedloss

@@ -37,6 +37,7 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
     const int64_t tiles = num_tiles<Op>(p.numel);
     Op op = make_op<Op>(p);
     set_weights(op, p, grad_weight);
+    op.expected_grad_output = double(static_cast<typename Op::T>(p.expected_grad_output));
     if (tiles > 0) {
       op.grad_input = static_cast<In*>(grad_input);
       op.grad_target = static_cast<Tgt*>(grad_target);
@@ -52,10 +53,11 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
 }
 
 // Backward's pass for a one-element grad_output: the gradients kGrads names (and
-// the weight's, with either), recomputed.
+// the weight's, with either), recomputed, or corrected in place (BackwardOptions).
 template <Grads kGrads>
 cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad_output, void* grad_input,
-                                          void* grad_target, void* grad_weight, cudaStream_t stream) {
+                                          void* grad_target, void* grad_weight, const BackwardOptions& options,
+                                          cudaStream_t stream) {
   return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
     using In = decltype(in);
     using Tgt = decltype(tgt);
@@ -67,8 +69,7 @@ cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad
     op.grad_target = static_cast<Tgt*>(grad_target);
     set_weights(op, p, grad_weight);
     op.grad_output = static_cast<const typename Op::Out*>(grad_output);
-    reduced_loss_backward_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, nullptr);
-    return cudaGetLastError();
+    return launch_backward_kernel(op, p, tiles, options, stream);
   });
 }
 
