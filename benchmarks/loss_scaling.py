@@ -44,7 +44,7 @@ def large_rows(n: int) -> list[dict]:
         p.requires_grad_(True)
         read, step_bytes = 2 * n * p.element_size(), 3 * n * p.element_size()
         for name, (fused, _) in LOSSES.items():
-            changing = [1.0]
+            changing = [0]
 
             def forward():
                 with torch.no_grad():
@@ -54,9 +54,9 @@ def large_rows(n: int) -> list[dict]:
                 def run():
                     p.grad = None
                     loss = fused(p, t)
-                    if grad_output == "changing":  # a new value every step: never the one expected
-                        changing[0] += 2.0**-10
-                        (loss * changing[0]).backward()
+                    if grad_output == "changing":  # a new value every step (in bf16 too): never the one expected
+                        changing[0] = changing[0] % 64 + 1
+                        (loss * (1 + changing[0] / 64)).backward()
                     else:
                         (loss if grad_output == 1.0 else loss * grad_output).backward()
                 return run

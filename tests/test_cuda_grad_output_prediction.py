@@ -74,7 +74,7 @@ def test_predicted_corrected_and_recomputed_give_the_same_bits(name, reduction, 
         loss = _loss(name, x, y, reduction)
         held = torch.cuda.memory_allocated() - before
         # A forward that writes the gradients holds them; one that does not, nothing of that size.
-        assert (held >= x.numel() * x.element_size()) == route in ("predicted", "corrected")
+        assert (held >= x.numel() * x.element_size()) == (route in ("predicted", "corrected"))
         (loss * grad_scale).backward()
         results[route] = (loss, x.grad, y.grad)
     for route in routes:

@@ -82,13 +82,14 @@ def relative_error(actual: torch.Tensor, reference64: torch.Tensor) -> float:
 # ---- the float64 reference --------------------------------------------------------------------
 
 
-def derivative64(name: str, input: torch.Tensor, target: torch.Tensor, autocast: bool) -> torch.Tensor:
+def derivative64(name: str, input: torch.Tensor, target: torch.Tensor, float32_math: bool) -> torch.Tensor:
     """d loss / d input per element, in float64, of the operands as the loss sees them:
-    under autocast as float32 copies; else in the dtype the loss computes the input's gradient
-    in (Huber: the input's; Smooth L1: the gradient's own; others: the promoted one),
-    the difference held in fp16 where that dtype is fp16, as PyTorch's fp16 kernels hold it."""
+    in float32 math (under autocast, or where a weight widens a 16-bit loss to float32)
+    as float32 copies; else in the dtype the loss computes the input's gradient in (Huber:
+    the input's; Smooth L1: the gradient's own; others: the promoted one), the difference
+    held in fp16 where that dtype is fp16, as PyTorch's fp16 kernels hold it."""
     param = _param(name)
-    if autocast:
+    if float32_math:
         d = input.double() - target.double()
     else:
         promoted = torch.promote_types(input.dtype, target.dtype)
@@ -108,7 +109,7 @@ def eager_loss(name: str, input: torch.Tensor, target: torch.Tensor, reduction: 
         d = input.float() - target.float()
         per_element = (2 * c * (torch.sqrt(d * d + c * c) - c)).to(torch.promote_types(input.dtype, target.dtype))
         return {"none": per_element, "mean": per_element.mean(), "sum": per_element.sum()}[reduction]
-    if name == "huber":  # PyTorch computes Huber in the input's dtype
+    if name == "huber" and not torch.is_autocast_enabled("cuda"):  # PyTorch's Huber: in the input's dtype
         target = target.to(input.dtype)
     elif name != "smooth_l1":  # computed in the promoted dtype, as a user converts first
         dtype = torch.promote_types(input.dtype, target.dtype)
@@ -179,7 +180,7 @@ def test_fp16_autocast_with_grad_scaler(cuda, route, name, init_scale, numel, re
             eager = eager_loss(name, eager_input, target, reduction)
         (eager * torch.tensor(scale, device=cuda)).backward()
         factor = scale / numel if reduction == "mean" else scale
-        reference = derivative64(name, input.detach(), target, autocast=True) * factor
+        reference = derivative64(name, input.detach(), target, float32_math=True) * factor
         check(name, ours_grad, eager_input.grad, reference, f"{route} step {step + 1} scale {scale:g}")
         scaler.step(optimizer)
         scaler.update()
@@ -214,7 +215,9 @@ def test_fp16_weighted_and_scaled_with_grad_scaler(cuda, route, name, init_scale
         eager_input = input.detach().clone().requires_grad_()
         eager = eager_weighted_mean(name, eager_input, target, weight, 0.25)
         (eager * torch.tensor(scale, device=cuda)).backward()
-        reference = derivative64(name, input.detach(), target, autocast=False) * weight.double() * (
+        # The bf16 weight widens Huber's fp16 loss to float32, which fusedloss then computes
+        # in float32 from the operands as given (autocast's math).
+        reference = derivative64(name, input.detach(), target, float32_math=name == "huber") * weight.double() * (
             0.25 * scale / divisor)
         check(name, ours_grad, eager_input.grad, reference, f"{route} step {step + 1} scale {scale:g}")
         scaler.step(optimizer)
@@ -265,5 +268,5 @@ def test_grad_outputs(request, route, name, dtype, reduction, weighted, on):
             eager = eager_loss(name, eager_input, target, reduction)
         (eager * grad_output).backward()
         received = grad_output_as_received(grad_output, loss)
-        reference = derivative64(name, input.detach(), target, autocast=False) * weight64 * (factor * received)
+        reference = derivative64(name, input.detach(), target, float32_math=False) * weight64 * (factor * received)
         check(name, input.grad, eager_input.grad, reference, f"{on} {route} grad_output {grad_output}")
