@@ -244,6 +244,17 @@ def test_a_killed_build_does_not_block_the_next_process(tmp_path):
     assert len(_build_log(tmp_path)) == 2 and out.splitlines()[0].endswith(".so")
 
 
+def test_a_build_says_what_it_compiles_and_how_long_it_took(tmp_path):
+    out, err = _start_builder(tmp_path, 0.1).communicate(timeout=120)
+    before, after = [line for line in err.splitlines() if line.startswith("fusedloss: ")]
+    assert before.startswith("fusedloss: compiling the CUDA kernels for sm_90 with ") and " s here; cached in " in before
+    assert str(tmp_path) in before
+    assert re.fullmatch(r"fusedloss: compiled the CUDA kernels in \d+ s", after)
+    # A later process loads the cached build and says nothing.
+    out, err = _start_builder(tmp_path, 0.1).communicate(timeout=120)
+    assert "fusedloss:" not in err
+
+
 def test_a_failed_build_is_remembered_until_forced(tmp_path):
     first = _run_builder(tmp_path, fails=True)
     assert first.startswith("FAILED") and "identifier broken is undefined" in first

@@ -15,6 +15,10 @@ The compiler is the CUDA toolkit's nvcc (``CUDA_HOME``, ``nvcc`` on the PATH, or
 for torch's CUDA version, from CUDA 13 on (``toolkit_install_command()`` names
 them).
 
+A build is never silent: it says on stderr, before compiling, what it compiles, for
+which architectures, about how long that takes and where the result is cached,
+and after compiling how long it took.
+
 Processes that start together take an ``flock`` on the build directory: one
 builds, the others wait and then load its library. The kernel drops the lock
 of a process that dies, so a killed build cannot leave the others waiting.
@@ -38,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -299,6 +304,18 @@ def _first_error_lines(message: str, count: int = 3) -> str:
     return "\n  ".join(errors[:count] or message.strip().splitlines()[-count:])
 
 
+def _expected_seconds(archs: Sequence[str]) -> int:
+    """About how long a build takes here: its objects compile in parallel, so the slowest
+    one (about a minute per architecture) bounds it on many cores, the total work
+    (about four) on few."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return round(len(archs) * max(60, 240 / cores))
+
+
+def _say(line: str) -> None:
+    print(f"fusedloss: {line}", file=sys.stderr, flush=True)
+
+
 def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str]) -> None:
     from torch.utils.cpp_extension import load
 
@@ -339,7 +356,13 @@ def _build_or_load(archs: Sequence[str], force: bool = False) -> Path:
         (directory / "lock").unlink(missing_ok=True)
         try:
             _check_build_tools(toolkit, archs)
+            targets = ", ".join("sm_" + a.removesuffix("+PTX").replace(".", "") + (" + PTX" if a.endswith("+PTX")
+                                                                                  else "") for a in archs)
+            _say(f"compiling the CUDA kernels for {targets} with {toolkit.nvcc}, once for this torch; about "
+                 f"{_expected_seconds(archs)} s here; cached in {directory}")
+            start = time.perf_counter()
             _compile(name, directory, toolkit, archs)
+            _say(f"compiled the CUDA kernels in {time.perf_counter() - start:.0f} s")
         except Exception as error:
             lines = error.args[0] if isinstance(error, KernelsUnavailableError) else _first_error_lines(str(error))
             record.write_text(lines + "\n")
