@@ -6,6 +6,7 @@ The compiler is a stand-in here (the real build runs in CI through
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -33,7 +34,7 @@ def test_the_build_compiles_the_real_files_of_the_package():
 
 def test_no_flag_fixes_the_cpp_standard():
     # torch's cpp_extension picks the standard its headers need (C++20 from torch 2.14 on).
-    assert not any(flag.startswith("-std") for flag in build._COMMON_FLAGS)
+    assert not any(flag.startswith("-std") for flag in build.COMMON_FLAGS)
 
 
 def test_the_tables_of_losses_agree_across_the_language_boundary():
@@ -165,7 +166,7 @@ def test_the_pip_runtime_is_linked_through_its_versioned_library(tmp_path):
     runtime.mkdir()
     (runtime / "libcudart.so.13").write_text("")
     (tmp_path / "build").mkdir()
-    flags = build._link_flags(build.Toolkit(tmp_path, "pip", runtime_dir=runtime), tmp_path / "build")
+    flags = build.cudart_link_flags(build.Toolkit(tmp_path, "pip", runtime_dir=runtime), tmp_path / "build")
     link = tmp_path / "build" / "cudart" / "libcudart.so"
     assert link.resolve() == (runtime / "libcudart.so.13").resolve()
     assert flags == [f"-L{link.parent}", f"-Wl,-rpath,{runtime}"]
@@ -247,7 +248,8 @@ def test_a_killed_build_does_not_block_the_next_process(tmp_path):
 def test_a_build_says_what_it_compiles_and_how_long_it_took(tmp_path):
     out, err = _start_builder(tmp_path, 0.1).communicate(timeout=120)
     before, after = [line for line in err.splitlines() if line.startswith("fusedloss: ")]
-    assert before.startswith("fusedloss: compiling the CUDA kernels for sm_90 with ") and " s here; cached in " in before
+    assert before.startswith("fusedloss: this install carries no compiled kernels: compiling the CUDA kernels for "
+                             "sm_90 with ") and " s here; cached in " in before
     assert str(tmp_path) in before
     assert re.fullmatch(r"fusedloss: compiled the CUDA kernels in \d+ s", after)
     # A later process loads the cached build and says nothing.
@@ -304,3 +306,49 @@ def test_build_without_gpu_or_arch_says_what_to_pass(tmp_path):
     result = _cli("build", TORCH_EXTENSIONS_DIR=str(tmp_path), TORCH_CUDA_ARCH_LIST="")
     assert result.returncode == 1
     assert "pass --arch" in result.stdout or "built without CUDA" in result.stdout
+
+
+# ---- the kernels a wheel carries ------------------------------------------------------------
+
+
+@pytest.fixture
+def carried(monkeypatch, tmp_path):
+    """A stand-in for an install whose wheel carries kernels: build.py's folder, with a record."""
+    package = tmp_path / "fusedloss"
+    package.mkdir()
+    monkeypatch.setattr(build, "__file__", str(package / "build.py"))
+
+    def write(torch_version=torch.__version__, archs=("8.0", "9.0", "12.0+PTX"), library="_kernels.so"):
+        (package / library).write_bytes(b"")
+        record = {"torch": torch_version, "cuda": "13.0", "archs": list(archs), "library": library}
+        (package / build.PREBUILT_RECORD).write_text(json.dumps(record))
+        return package / library
+
+    return write
+
+
+def test_a_source_install_carries_no_kernels(carried):
+    assert build.prebuilt([(9, 0)]) == (None, "this install carries no compiled kernels")
+
+
+def test_carried_kernels_fit_their_torch_and_architectures(carried):
+    library = carried()
+    for capability in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)]:  # same major, or PTX at most its own
+        assert build.prebuilt([capability]) == (library, ""), capability
+    for capability in [(7, 5), (10, 0)]:  # older than any; sm_90 machine code does not run on sm_100
+        found, why = build.prebuilt([(9, 0), capability])
+        assert found is None and f"not {capability[0]}.{capability[1]}" in why
+
+
+def test_carried_kernels_of_another_torch_are_not_loaded(carried):
+    carried(torch_version="2.99.0+cu130")
+    found, why = build.prebuilt([(9, 0)])
+    assert found is None and f"built for torch 2.99.0+cu130, not {torch.__version__}" in why
+
+
+def test_a_build_that_fits_the_carried_kernels_loads_them(carried, monkeypatch):
+    library = carried()
+    loaded = []
+    monkeypatch.setattr(build, "_load_library", lambda path, directory: loaded.append(path) or path)
+    monkeypatch.setattr(build, "_build_or_load", lambda *args, **kwargs: pytest.fail("compiled"))
+    assert build.build("9.0") == library and loaded == [library]

@@ -1,6 +1,8 @@
 """Compiling and loading the CUDA kernels.
 
-The files in ``csrc/`` are compiled on first use with
+A wheel built with its kernels (``setup.py``) carries them, compiled for the torch it
+was built against: ``load()`` takes them when they fit the running torch and GPUs
+(``prebuilt``). Otherwise the files in ``csrc/`` are compiled on first use with
 ``torch.utils.cpp_extension.load``, one object per ``.cu`` file, in parallel,
 for the compute capabilities of the visible GPUs (or those named by
 ``TORCH_CUDA_ARCH_LIST`` or ``python -m fusedloss build --arch``). The build
@@ -36,6 +38,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -54,9 +57,13 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 # The host file and one translation unit per kernel family; the headers come in through #include.
 SOURCES = ("fusedloss_ops.cpp", "autograd.cpp", *sorted(path.name for path in CSRC.glob("*.cu")))
-_COMMON_FLAGS = ["-O3"]  # the C++ standard is torch's choice: each torch version asks for its own
+COMMON_FLAGS = ["-O3"]  # the C++ standard is torch's choice: each torch version asks for its own
 OPS = ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "reduced_loss_backward_",
        "weighted_loss", "weighted_loss_backward", "weighted_loss_backward_")
+
+# What a wheel built with its kernels (setup.py) records beside them: the torch and CUDA
+# versions and the architectures they were compiled against, and the library's name.
+PREBUILT_RECORD = "_kernels.json"
 
 REQUIRE_KERNELS_ENV = "FUSEDLOSS_REQUIRE_KERNELS"
 FAILURE_RECORD = "build-failed-{compiler}.txt"
@@ -174,7 +181,7 @@ def _cpp_extension_using(toolkit: Toolkit) -> Iterator[None]:
         cpp_extension.CUDA_HOME = saved
 
 
-def _link_flags(toolkit: Toolkit, directory: Path) -> list[str]:
+def cudart_link_flags(toolkit: Toolkit, directory: Path) -> list[str]:
     """cpp_extension links with -lcudart; the pip runtime ships only libcudart.so.<major>."""
     if toolkit.runtime_dir is None:
         return []
@@ -248,7 +255,7 @@ def _source_digest() -> str:
 
 def build_name(archs: Sequence[str]) -> str:
     """The build's folder name: a hash of everything the library depends on but the compiler."""
-    fingerprint = "\0".join([_source_digest(), *_COMMON_FLAGS, *gencode_flags(archs), torch.__version__,
+    fingerprint = "\0".join([_source_digest(), *COMMON_FLAGS, *gencode_flags(archs), torch.__version__,
                              str(torch.version.cuda), sys.version.split()[0]])
     return "fusedloss_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
@@ -323,16 +330,16 @@ def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str])
         load(
             name=name,
             sources=[str(CSRC / source) for source in SOURCES],
-            extra_cflags=_COMMON_FLAGS,
-            extra_cuda_cflags=_COMMON_FLAGS + gencode_flags(archs),
-            extra_ldflags=_link_flags(toolkit, directory) + _libstdcxx_flags(),
+            extra_cflags=COMMON_FLAGS,
+            extra_cuda_cflags=COMMON_FLAGS + gencode_flags(archs),
+            extra_ldflags=cudart_link_flags(toolkit, directory) + _libstdcxx_flags(),
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
             is_python_module=False,
         )
 
 
-def _build_or_load(archs: Sequence[str], force: bool = False) -> Path:
+def _build_or_load(archs: Sequence[str], force: bool = False, why: str = "") -> Path:
     name = build_name(archs)
     directory = build_root() / name
     library = directory / f"{name}.so"
@@ -358,8 +365,8 @@ def _build_or_load(archs: Sequence[str], force: bool = False) -> Path:
             _check_build_tools(toolkit, archs)
             targets = ", ".join("sm_" + a.removesuffix("+PTX").replace(".", "") + (" + PTX" if a.endswith("+PTX")
                                                                                   else "") for a in archs)
-            _say(f"compiling the CUDA kernels for {targets} with {toolkit.nvcc}, once for this torch; about "
-                 f"{_expected_seconds(archs)} s here; cached in {directory}")
+            _say(f"{why + ': ' if why else ''}compiling the CUDA kernels for {targets} with {toolkit.nvcc}, once "
+                 f"for this torch; about {_expected_seconds(archs)} s here; cached in {directory}")
             start = time.perf_counter()
             _compile(name, directory, toolkit, archs)
             _say(f"compiled the CUDA kernels in {time.perf_counter() - start:.0f} s")
@@ -387,8 +394,45 @@ def _load_library(library: Path, directory: Path) -> Path:
     return library
 
 
+# ---- the kernels a wheel carries --------------------------------------------------------
+
+
+def _covers(archs: Sequence[str], capability: tuple[int, int]) -> bool:
+    """Whether code for `archs` runs on a GPU of `capability`: machine code for the same
+    major and a minor at most its own, or PTX of an architecture at most its own."""
+    for arch in archs:
+        major, minor = (int(part) for part in re.sub(r"[a-z]$", "", arch.removesuffix("+PTX")).split("."))
+        if (major == capability[0] and minor <= capability[1]) or (arch.endswith("+PTX") and (major, minor) <= capability):
+            return True
+    return False
+
+
+def prebuilt(capabilities: Sequence[tuple[int, int]] | None = None) -> tuple[Path | None, str]:
+    """The kernels this install carries (a wheel built with them, setup.py), when they fit
+    this torch and GPUs of `capabilities` (default: the visible ones): (library, ""), or
+    (None, why not)."""
+    record_path = Path(__file__).parent / PREBUILT_RECORD
+    if not record_path.exists():
+        return None, "this install carries no compiled kernels"
+    record = json.loads(record_path.read_text())
+    library = record_path.parent / record["library"]
+    if record["torch"] != torch.__version__ or not library.exists():
+        return None, f"the kernels this install carries were built for torch {record['torch']}, not {torch.__version__}"
+    if capabilities is None:
+        capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    missing = sorted({c for c in capabilities if not _covers(record["archs"], c)})
+    if missing:
+        named = ", ".join(f"{major}.{minor}" for major, minor in missing)
+        return None, (f"the kernels this install carries are for compute capability {', '.join(record['archs'])}, "
+                      f"not {named}")
+    return library, ""
+
+
 def compiler_of(library: Path) -> str:
-    """The nvcc that built `library`, as its build file names it."""
+    """The nvcc that built `library`, as its build file names it, or the wheel it came with."""
+    record = library.parent / PREBUILT_RECORD
+    if record.exists():
+        return f"the wheel's build, against torch {json.loads(record.read_text())['torch']}"
     ninja = library.parent / "build.ninja"
     found = re.search(r"^nvcc = (.+)$", ninja.read_text(), re.MULTILINE) if ninja.exists() else None
     return found.group(1).strip() if found else "unknown"
@@ -411,7 +455,15 @@ def build(arch: str | None = None, force: bool = False) -> Path:
         raise KernelsUnavailableError("no GPU is visible and no architecture was named: pass --arch (for example "
                                       "python -m fusedloss build --arch 9.0) or set TORCH_CUDA_ARCH_LIST")
     with _load_lock:
-        return _build_or_load(archs, force)
+        library, why_not = prebuilt([_capability(a) for a in archs])
+        if library is not None and not force:
+            return _load_library(library, library.parent)
+        return _build_or_load(archs, force, why_not)
+
+
+def _capability(arch: str) -> tuple[int, int]:
+    major, minor = re.sub(r"[a-z]$", "", arch.removesuffix("+PTX")).split(".")
+    return int(major), int(minor)
 
 
 def load() -> Path | None:
@@ -430,7 +482,11 @@ def load() -> Path | None:
                 raise _load_failure
             if _loaded_library is None and torch.cuda.is_available():
                 try:
-                    _loaded_library = _build_or_load(arch_list())
+                    library, why_not = prebuilt()
+                    if library is not None:
+                        _loaded_library = _load_library(library, library.parent)
+                    else:
+                        _loaded_library = _build_or_load(arch_list(), why=why_not)
                 except KernelsUnavailableError as error:
                     _load_failure = error
                     raise

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# CI: a wheel that carries the compiled kernels, built on a machine with no GPU against a
+# CUDA build of torch with NVIDIA's pip compiler (scripts/ci_cuda_build.sh's environment),
+# for sm_90; then installed into a fresh environment with no compiler to call: CUDA_HOME
+# unset, no nvcc on the PATH, CXX a command that fails, an empty TORCH_EXTENSIONS_DIR.
+# Fails unless the wheel carries the kernels, every operator gets its CUDA kernel from
+# them, and nothing was compiled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+torch_version=${TORCH_VERSION:-2.14.1}
+builder=${CUDA_BUILD_VENV:-/tmp/fusedloss-ci-torch-$torch_version}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+if ! "$builder/bin/python" -c "from fusedloss import build; build.find_toolkit()" 2>/dev/null; then
+  echo "no CUDA build of torch with a compiler in $builder: run scripts/ci_cuda_build.sh first" >&2
+  exit 1
+fi
+
+SECONDS=0
+env -u CUDA_HOME -u CUDA_PATH TORCH_CUDA_ARCH_LIST=9.0 "$builder/bin/python" -m pip wheel -q --no-build-isolation \
+  --no-deps -w "$work/wheel" .
+wheel=$(ls "$work"/wheel/fusedloss-*.whl)
+echo "built $(basename "$wheel") in ${SECONDS} s: $(du -m "$wheel" | cut -f1) MB"
+python3 -m zipfile -l "$wheel" | grep -E "fusedloss/(_kernels[^ ]*\.so|_kernels\.json)"
+
+python3 -m venv "$work/user"
+"$work/user/bin/python" -m pip install -q "torch==$torch_version" "$wheel"
+printf '#!/bin/sh\nexit 1\n' > "$work/no-compiler"
+chmod +x "$work/no-compiler"
+mkdir "$work/cache"
+env -u CUDA_HOME -u CUDA_PATH PATH="$work/user/bin:/usr/bin:/bin" CXX="$work/no-compiler" CC="$work/no-compiler" \
+  TORCH_EXTENSIONS_DIR="$work/cache" "$work/user/bin/python" - <<'EOF'
+import time
+
+import torch
+
+start = time.perf_counter()
+from fusedloss import build
+
+library = build.build("9.0")  # no GPU here: the architecture is named
+seconds = time.perf_counter() - start
+assert library.name.startswith("_kernels") and library.parent.name == "fusedloss", library
+missing = sorted(set(build.OPS) - set(build.registered_ops()))
+assert not missing, f"no CUDA kernel for {missing}"
+print(f"ci_wheel: import and load of the wheel's kernels took {seconds:.2f} s; all operators registered")
+EOF
+if [ -n "$(ls -A "$work/cache")" ]; then
+  echo "ci_wheel: something was compiled into TORCH_EXTENSIONS_DIR: $(ls "$work/cache")" >&2
+  exit 1
+fi
+echo "ci_wheel: the wheel's kernels loaded with no compiler, against torch $torch_version; nothing compiled"

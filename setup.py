@@ -1,0 +1,82 @@
+"""A wheel that carries the compiled kernels, where the build can compile them.
+
+``python -m build --wheel --no-isolation`` (or ``pip wheel --no-build-isolation .``),
+run where a CUDA build of torch and a CUDA compiler are installed, compiles
+``csrc/`` into ``fusedloss/_kernels*.so`` for ``TORCH_CUDA_ARCH_LIST`` (default:
+every architecture fusedloss supports, and PTX of the newest) and records what
+it was built against in ``fusedloss/_kernels.json``; fusedloss loads that library
+when it fits the running torch and GPU (``fusedloss.build.prebuilt``), and
+compiles from source on first use otherwise. Everywhere else (an sdist, an
+isolated build, a CPU build of torch, ``FUSEDLOSS_WHEEL_KERNELS=0``) the wheel is
+pure Python.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+
+
+def _build_module():
+    """fusedloss/build.py alone: the package's __init__ would define its operators here."""
+    spec = importlib.util.spec_from_file_location("_fusedloss_build", ROOT / "src" / "fusedloss" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kernel_build():
+    """(ext_modules, cmdclass) for a wheel with the kernels, or nothing for a pure one."""
+    if os.environ.get("FUSEDLOSS_WHEEL_KERNELS", "1") == "0":
+        return [], {}
+    try:
+        import torch
+    except ImportError:  # an isolated build, or an sdist
+        return [], {}
+    if not torch.version.cuda:
+        print("fusedloss: torch is a CPU build, so the wheel carries no kernels", file=sys.stderr)
+        return [], {}
+    build = _build_module()
+    toolkit = build.find_toolkit()
+    archs = build.arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS)
+    # cpp_extension takes the toolkit from CUDA_HOME when it is first imported.
+    os.environ["CUDA_HOME"] = str(toolkit.home)
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    link_dir = ROOT / "build" / "cudart"
+    link_dir.mkdir(parents=True, exist_ok=True)
+    extension = CUDAExtension(
+        "fusedloss._kernels",
+        sources=[f"src/fusedloss/csrc/{source}" for source in build.SOURCES],
+        include_dirs=[str(build.CSRC)],
+        extra_compile_args={"cxx": build.COMMON_FLAGS, "nvcc": build.COMMON_FLAGS + build.gencode_flags(archs)},
+        # The pip runtime has only libcudart.so.<major>, which torch has loaded by then: no rpath.
+        extra_link_args=[arg for arg in build.cudart_link_flags(toolkit, link_dir) if "-rpath" not in arg],
+    )
+
+    class BuildKernels(BuildExtension):
+        """Builds the library, and records beside it what it was built against."""
+
+        def run(self) -> None:
+            super().run()
+            library = Path(self.get_ext_fullpath(extension.name))
+            record = {"torch": torch.__version__, "cuda": torch.version.cuda, "archs": archs,
+                      "library": library.name}
+            (library.parent / build.PREBUILT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+    print(f"fusedloss: the wheel carries the kernels for {', '.join(archs)}, built against torch "
+          f"{torch.__version__} with {toolkit.nvcc}", file=sys.stderr)
+    return [extension], {"build_ext": BuildKernels.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _kernel_build()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
