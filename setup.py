@@ -7,8 +7,8 @@ every architecture fusedloss supports, and PTX of the newest) and records what
 it was built against in ``fusedloss/_kernels.json``; fusedloss loads that library
 when it fits the running torch and GPU (``fusedloss.build.prebuilt``), and
 compiles from source on first use otherwise. Everywhere else (an sdist, an
-isolated build, a CPU build of torch, ``FUSEDLOSS_WHEEL_KERNELS=0``) the wheel is
-pure Python.
+isolated build, a CPU build of torch, no CUDA compiler, ``FUSEDLOSS_WHEEL_KERNELS=0``)
+the wheel is pure Python.
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def _kernel_build():
         print("fusedloss: torch is a CPU build, so the wheel carries no kernels", file=sys.stderr)
         return [], {}
     build = _build_module()
-    toolkit = build.find_toolkit()
+    try:
+        toolkit = build.find_toolkit()
+    except build.KernelsUnavailableError as error:
+        print(f"fusedloss: the wheel carries no kernels, which compile on first use instead: {error}", file=sys.stderr)
+        return [], {}
     archs = build.arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS)
     # cpp_extension takes the toolkit from CUDA_HOME when it is first imported.
     os.environ["CUDA_HOME"] = str(toolkit.home)
