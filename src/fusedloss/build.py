@@ -397,11 +397,17 @@ def _load_library(library: Path, directory: Path) -> Path:
 # ---- the kernels a wheel carries --------------------------------------------------------
 
 
+def _capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of an architecture written as "9.0", "9.0a" or "9.0+PTX"."""
+    major, minor = re.sub(r"[a-z]$", "", arch.removesuffix("+PTX")).split(".")
+    return int(major), int(minor)
+
+
 def _covers(archs: Sequence[str], capability: tuple[int, int]) -> bool:
     """Whether code for `archs` runs on a GPU of `capability`: machine code for the same
     major and a minor at most its own, or PTX of an architecture at most its own."""
     for arch in archs:
-        major, minor = (int(part) for part in re.sub(r"[a-z]$", "", arch.removesuffix("+PTX")).split("."))
+        major, minor = _capability(arch)
         if (major == capability[0] and minor <= capability[1]) or (arch.endswith("+PTX") and (major, minor) <= capability):
             return True
     return False
@@ -459,11 +465,6 @@ def build(arch: str | None = None, force: bool = False) -> Path:
         if library is not None and not force:
             return _load_library(library, library.parent)
         return _build_or_load(archs, force, why_not)
-
-
-def _capability(arch: str) -> tuple[int, int]:
-    major, minor = re.sub(r"[a-z]$", "", arch.removesuffix("+PTX")).split(".")
-    return int(major), int(minor)
 
 
 def load() -> Path | None:
