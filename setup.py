@@ -1,12 +1,15 @@
 """A wheel that carries the compiled kernels, where the build can compile them.
 
 ``python -m build --wheel --no-isolation`` (or ``pip wheel --no-build-isolation .``),
-run where a CUDA build of torch and a CUDA compiler are installed, compiles
-``csrc/`` into ``fusedloss/_kernels*.so`` for ``TORCH_CUDA_ARCH_LIST`` (default:
+run where a CUDA build of torch and a CUDA compiler are installed, compiles each
+family of ``csrc/`` (``fusedloss.build.FAMILIES``) into
+``fusedloss/_<family>_kernels.abi3.so`` for ``TORCH_CUDA_ARCH_LIST`` (default:
 every architecture fusedloss supports, and PTX of the newest) and records what
-it was built against in ``fusedloss/_kernels.json``; fusedloss loads that library
-when it fits the running torch and GPU (``fusedloss.build.prebuilt``), and
-compiles from source on first use otherwise. Everywhere else (an sdist, an
+they were built against in ``fusedloss/_kernels.json``. Their host code uses only
+PyTorch's stable ABI and no Python API, so the wheel is tagged for every CPython
+from 3.10 (abi3) and loads on every torch of its CUDA major from
+``fusedloss.build.STABLE_ABI_FLOOR`` up (``fusedloss.build.prebuilt``); elsewhere
+fusedloss compiles from source on first use. Everywhere else (an sdist, an
 isolated build, a CPU build of torch, no CUDA compiler, ``FUSEDLOSS_WHEEL_KERNELS=0``)
 the wheel is pure Python.
 """
@@ -58,29 +61,39 @@ def _kernel_build():
 
     link_dir = ROOT / "build" / "cudart"
     link_dir.mkdir(parents=True, exist_ok=True)
-    extension = CUDAExtension(
-        "fusedloss._kernels",
-        sources=[f"src/fusedloss/csrc/{source}" for source in build.SOURCES],
-        include_dirs=[str(build.CSRC)],
-        extra_compile_args={"cxx": build.COMMON_FLAGS, "nvcc": build.COMMON_FLAGS + build.gencode_flags(archs)},
-        # The pip runtime has only libcudart.so.<major>, which torch has loaded by then: no rpath.
-        extra_link_args=[arg for arg in build.cudart_link_flags(toolkit, link_dir) if "-rpath" not in arg],
-    )
+    extensions = [
+        CUDAExtension(
+            f"fusedloss._{family.name}_kernels",
+            sources=[str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+                     for path in build.shard_sources(family, ROOT / "build" / "shards" / family.name)],
+            include_dirs=[str(build.CSRC)],
+            extra_compile_args={"cxx": build.COMMON_FLAGS, "nvcc": build.COMMON_FLAGS + build.gencode_flags(archs)},
+            # The pip runtime has only libcudart.so.<major>, which torch has loaded by then: no rpath.
+            extra_link_args=[arg for arg in build.cudart_link_flags(toolkit, link_dir) if "-rpath" not in arg],
+            py_limited_api=True,  # no Python API: links no libtorch_python
+        )
+        for family in build.FAMILIES.values()
+    ]
 
     class BuildKernels(BuildExtension):
-        """Builds the library, and records beside it what it was built against."""
+        """Builds the libraries, and records beside them what they were built against."""
 
         def run(self) -> None:
             super().run()
-            library = Path(self.get_ext_fullpath(extension.name))
-            record = {"torch": torch.__version__, "cuda": torch.version.cuda, "archs": archs,
-                      "library": library.name}
-            (library.parent / build.PREBUILT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+            libraries = {name.rsplit("._", 1)[1].removesuffix("_kernels"): Path(self.get_ext_fullpath(name)).name
+                         for name in (extension.name for extension in extensions)}
+            record = {"torch": torch.__version__, "stable_abi_floor": list(build.STABLE_ABI_FLOOR),
+                      "cuda": torch.version.cuda, "archs": archs, "libraries": libraries}
+            package = Path(self.get_ext_fullpath(extensions[0].name)).parent
+            (package / build.PREBUILT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
     print(f"fusedloss: the wheel carries the kernels for {', '.join(archs)}, built against torch "
-          f"{torch.__version__} with {toolkit.nvcc}", file=sys.stderr)
-    return [extension], {"build_ext": BuildKernels.with_options(use_ninja=True)}
+          f"{torch.__version__} with {toolkit.nvcc}, for every torch from "
+          f"{'.'.join(map(str, build.STABLE_ABI_FLOOR))} of CUDA {torch.version.cuda.split('.')[0]}", file=sys.stderr)
+    return extensions, {"build_ext": BuildKernels.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = _kernel_build()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+# Tagged cp310-abi3 where it carries kernels: their libraries use no Python API.
+options = {"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {}
+setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)

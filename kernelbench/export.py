@@ -1,32 +1,33 @@
 """KernelBench ModelNew files for problems 94_MSELoss and 96_HuberLoss, generated from fusedloss.
 
 ``export(directory)`` writes one ModelNew file per problem. Each needs nothing
-but torch: the kernels' C++ and CUDA sources (``csrc/`` with local
-``#include``s pasted in, all ``.cu`` files in one string) are embedded and
-compiled with ``load_inline``, and register their operators in a namespace of
-their own (``NAMESPACE``), so the files and the fusedloss package can be
-imported in either order.
+but torch: the kernels' CUDA sources (``csrc/`` with local ``#include``s pasted
+in, all ``.cu`` files in one string) and this folder's ``reduced_loss_op.cpp``
+(its operator on PyTorch's classic C++ API, which the files' floor, PyTorch 2.2,
+has) are embedded and compiled with ``load_inline``, and register their
+operator in a namespace of its own (``NAMESPACE``), so the files and the
+fusedloss package can be imported in either order.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-import fusedloss  # noqa: F401  (defines the torch.ops.fusedloss schemas that export copies)
 from fusedloss import build
 
 NAMESPACE = "fusedloss_kernelbench"
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
-def read_source(name: str, _seen: set[str] | None = None) -> str:
-    """``csrc/name`` with each local ``#include "..."`` replaced by that file's text, once."""
+OPERATOR = Path(__file__).parent / "reduced_loss_op.cpp"
+SCHEMA = "(Tensor input, Tensor target, str loss, float param, str reduction) -> Tensor"
+
+
+def read_source(name: str, _seen: set[str] | None = None, path: Path | None = None) -> str:
+    """``csrc/name`` (or `path`) with each local ``#include "..."`` replaced by that csrc file's text, once."""
     seen = set() if _seen is None else _seen
     seen.add(name)
 
@@ -34,24 +35,15 @@ def read_source(name: str, _seen: set[str] | None = None) -> str:
         header = match.group(1)
         return "" if header in seen else read_source(header, seen)
 
-    text = (build.CSRC / name).read_text()
+    text = (path or build.CSRC / name).read_text()
     return _LOCAL_INCLUDE.sub(paste, text.replace("#pragma once\n", ""))
 
 
-# The kernels of the Weighted policy (the weighted reductions, and reduction='none''s
-# backward for an expanded grad_output) serve no KernelBench problem; the files leave them
-# out (``FUSEDLOSS_NO_WEIGHTED_KERNELS``), which keeps their one translation unit's compile short.
-_WEIGHTED_PREFIX = "weighted_"
-_WEIGHTED_POLICY_SOURCES = ("pointwise_loss_backward_broadcast.cu",)
-
-
 def cuda_source() -> str:
-    """Every ``.cu`` file of the build but those of the Weighted policy, in its order, as one
-    translation unit; each header once."""
+    """The ``.cu`` files of the plain family (the weighted kernels serve no KernelBench
+    problem), in the build's order, as one translation unit; each header once."""
     seen: set[str] = set()
-    return "".join(read_source(name, seen) for name in build.SOURCES
-                   if name.endswith(".cu") and not name.startswith(_WEIGHTED_PREFIX)
-                   and name not in _WEIGHTED_POLICY_SOURCES)
+    return "".join(read_source(name, seen) for name in build.FAMILIES["plain"].cuda_sources)
 
 
 @dataclass(frozen=True)
@@ -101,18 +93,14 @@ import hashlib
 import torch
 from torch.utils.cpp_extension import load_inline
 
-# The operators that CPP_SOURCE gives CUDA kernels, in a namespace of their own so that the
+# The operator that CPP_SOURCE gives a CUDA kernel, in a namespace of its own so that the
 # fusedloss package can be imported in the same process, before or after this file. Another of
-# these files may already have defined them.
+# these files may already have defined it.
 NAMESPACE = "$namespace"
-OP_SCHEMAS = {
-$schemas
-}
 
-for _name, _schema in OP_SCHEMAS.items():
-    if not hasattr(getattr(torch.ops, NAMESPACE), _name):
-        # torch.library.define keeps the definition alive for the whole process.
-        torch.library.define(f"{NAMESPACE}::{_name}", _schema)
+if not hasattr(getattr(torch.ops, NAMESPACE), "reduced_loss"):
+    # torch.library.define keeps the definition alive for the whole process.
+    torch.library.define(f"{NAMESPACE}::reduced_loss", "$schema")
 
 CPP_SOURCE = $cpp
 
@@ -121,8 +109,7 @@ CUDA_SOURCE = $cuda
 # The C++ standard is left to torch's cpp_extension, which picks the one its headers need.
 # The problems are float32 without autocast or weights: the autocast and weighted kernels stay out
 # of the one translation unit.
-COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS",
-                "-DFUSEDLOSS_NO_WEIGHTED_KERNELS"]
+COMMON_FLAGS = ["-O3", "-DFUSEDLOSS_OPS_NAMESPACE=" + NAMESPACE, "-DFUSEDLOSS_NO_AUTOCAST_KERNELS"]
 
 
 def load_kernels() -> str:
@@ -149,7 +136,7 @@ class ModelNew(torch.nn.Module):
         load_kernels()
 
     def forward(self, predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return getattr(torch.ops, NAMESPACE).reduced_loss(predictions, targets, "$loss", $param, "mean", [False, False])[0]
+        return getattr(torch.ops, NAMESPACE).reduced_loss(predictions, targets, "$loss", $param, "mean")
 
 
 $problem_inputs''')
@@ -162,30 +149,14 @@ def _raw_string_literal(text: str) -> str:
     return 'r"""' + text + '"""'
 
 
-def op_schemas() -> dict[str, str]:
-    """Nameless schema (``"(Tensor input, ...) -> ..."``) of each operator that ``fusedloss_ops.cpp`` implements.
-
-    The schemas come from the operators ``fusedloss.ops`` defines, so the
-    generated files cannot drift from them.
-    """
-    names = [name for name in re.findall(r'm\.impl\("(\w+)"', read_source("fusedloss_ops.cpp"))
-             if not name.startswith(_WEIGHTED_PREFIX)]
-    schemas = {}
-    for name in names:
-        schema = str(getattr(torch.ops.fusedloss, name).default._schema)
-        schemas[name] = schema[schema.index("(") :]
-    return schemas
-
-
 def model_new_source(problem: Problem) -> str:
     """The text of ``problem``'s self-contained ModelNew file."""
-    schemas = "\n".join(f"    {json.dumps(name)}: {json.dumps(schema)}," for name, schema in op_schemas().items())
     return _MODEL_NEW_TEMPLATE.substitute(
         name=problem.name,
         computes=problem.computes,
         namespace=NAMESPACE,
-        schemas=schemas,
-        cpp=_raw_string_literal(read_source("fusedloss_ops.cpp")),
+        schema=SCHEMA,
+        cpp=_raw_string_literal(read_source(OPERATOR.name, path=OPERATOR)),
         cuda=_raw_string_literal(cuda_source()),
         loss=problem.loss,
         param=repr(problem.param),

@@ -21,7 +21,11 @@ env -u CUDA_HOME -u CUDA_PATH TORCH_CUDA_ARCH_LIST=9.0 "$builder/bin/python" -m 
   --no-deps -w "$work/wheel" .
 wheel=$(ls "$work"/wheel/fusedloss-*.whl)
 echo "built $(basename "$wheel") in ${SECONDS} s: $(du -m "$wheel" | cut -f1) MB"
-python3 -m zipfile -l "$wheel" | grep -E "fusedloss/(_kernels[^ ]*\.so|_kernels\.json)"
+case "$(basename "$wheel")" in
+  *-cp310-abi3-*) ;;
+  *) echo "ci_wheel: the wheel is not tagged cp310-abi3: $(basename "$wheel")" >&2; exit 1 ;;
+esac
+python3 -m zipfile -l "$wheel" | grep -E "fusedloss/(_[a-z]+_kernels[^ ]*\.so|_kernels\.json)"
 
 python3 -m venv "$work/user"
 "$work/user/bin/python" -m pip install -q "torch==$torch_version" "$wheel"
@@ -37,9 +41,11 @@ import torch
 start = time.perf_counter()
 from fusedloss import build
 
-library = build.build("9.0")  # no GPU here: the architecture is named
+libraries = build.build("9.0")  # no GPU here: the architecture is named
 seconds = time.perf_counter() - start
-assert library.name.startswith("_kernels") and library.parent.name == "fusedloss", library
+assert set(libraries) == set(build.FAMILIES), libraries
+for library in libraries.values():
+    assert library.name.endswith("_kernels.abi3.so") and library.parent.name == "fusedloss", library
 missing = sorted(set(build.OPS) - set(build.registered_ops()))
 assert not missing, f"no CUDA kernel for {missing}"
 print(f"ci_wheel: import and load of the wheel's kernels took {seconds:.2f} s; all operators registered")

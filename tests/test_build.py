@@ -24,12 +24,42 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def test_the_build_compiles_the_real_files_of_the_package():
     names = {p.name for p in build.CSRC.iterdir()}
-    assert set(build.SOURCES) <= names
-    assert build.SOURCES[0] == "fusedloss_ops.cpp" and len([s for s in build.SOURCES if s.endswith(".cu")]) >= 4
+    sources = [source for family in build.FAMILIES.values() for source in family.sources]
+    assert set(sources) <= names and len(sources) == len(set(sources))
+    # Every .cu file belongs to exactly one family; each family has a host file of its own.
+    assert sorted(s for s in sources if s.endswith(".cu")) == sorted(n for n in names if n.endswith(".cu"))
+    assert all(family.host_source.endswith(".cpp") for family in build.FAMILIES.values())
+    assert set(build.OPS) == {op for family in build.FAMILIES.values() for op in family.ops}
     # Every header a source includes ships with it.
     for path in build.CSRC.iterdir():
         for header in re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE):
             assert header in names, f"{path.name} includes {header}, which the package does not ship"
+
+
+def test_each_cu_file_is_compiled_once_per_shard(tmp_path):
+    family = build.FAMILIES["plain"]
+    sources = build.shard_sources(family, tmp_path)
+    assert sources[0] == build.CSRC / family.host_source
+    assert len(sources) == 1 + len(family.cuda_sources) * len(build.SHARDS)
+    text = (tmp_path / "reduced_loss.float16.cu").read_text()
+    assert "#define FUSEDLOSS_SHARD shard_float16" in text and "#define FUSEDLOSS_SHARD_INPUT __half" in text
+    assert text.endswith('#include "reduced_loss.cu"\n')
+    # The host code dispatches every launcher its library calls to the shards.
+    for family in build.FAMILIES.values():
+        host = (build.CSRC / family.host_source).read_text()
+        called = set(re.findall(r"\b((?:launch_\w+|\w+_scratch_bytes|\w+_partials))\(", host)) - {"launch_bounds"}
+        dispatched = set(re.findall(r"FUSEDLOSS_SHARD_DISPATCH\(\w+, (\w+),", host))
+        assert called <= dispatched, called - dispatched
+
+
+def test_the_host_code_targets_the_stable_abi():
+    assert any(flag.startswith("-DTORCH_TARGET_VERSION=0x020a") for flag in build.COMMON_FLAGS)
+    for path in build.CSRC.iterdir():
+        if path.suffix in (".cpp", ".h", ".cuh", ".cu"):
+            includes = re.findall(r'^#include <([^>]+)>', path.read_text(), re.MULTILINE)
+            torch_headers = [h for h in includes if h.startswith(("torch/", "ATen/", "c10/"))]
+            assert all(h.startswith(("torch/csrc/stable/", "torch/csrc/inductor/aoti_torch/c/", "torch/headeronly/"))
+                       for h in torch_headers), (path.name, torch_headers)
 
 
 def test_no_flag_fixes_the_cpp_standard():
@@ -186,7 +216,7 @@ from fusedloss import build
 # The interpreter stands in for nvcc: a failure record is keyed by the compiler file.
 build.Toolkit.nvcc = property(lambda self: build.Path(sys.executable).resolve())
 
-def fake_compile(name, directory, toolkit, archs):
+def fake_compile(name, directory, toolkit, archs, family):
     with open(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "builds.log"), "a") as log:
         log.write(name + "\\n")
     open(os.path.join(directory, "lock"), "w").close()
@@ -201,7 +231,7 @@ build._load_library = lambda library, directory: library
 build._check_build_tools = lambda toolkit, archs: None
 build.find_toolkit = lambda: build.Toolkit(build.Path(sys.executable).resolve().parent.parent, "system")
 try:
-    print(build.build("9.0", force=bool(os.environ.get("FORCE"))))
+    print(build.build("9.0", force=bool(os.environ.get("FORCE")), families=["plain"])["plain"])
 except build.KernelsUnavailableError as error:
     print("FAILED", error)
 """
@@ -248,10 +278,10 @@ def test_a_killed_build_does_not_block_the_next_process(tmp_path):
 def test_a_build_says_what_it_compiles_and_how_long_it_took(tmp_path):
     out, err = _start_builder(tmp_path, 0.1).communicate(timeout=120)
     before, after = [line for line in err.splitlines() if line.startswith("fusedloss: ")]
-    assert before.startswith("fusedloss: this install carries no compiled kernels: compiling the CUDA kernels for "
-                             "sm_90 with ") and " s here; cached in " in before
+    assert before.startswith("fusedloss: this install carries no compiled kernels: compiling the plain CUDA kernels "
+                             "for sm_90 with ") and " s here; cached in " in before
     assert str(tmp_path) in before
-    assert re.fullmatch(r"fusedloss: compiled the CUDA kernels in \d+ s", after)
+    assert re.fullmatch(r"fusedloss: compiled the plain CUDA kernels in \d+ s", after)
     # A later process loads the cached build and says nothing.
     out, err = _start_builder(tmp_path, 0.1).communicate(timeout=120)
     assert "fusedloss:" not in err
@@ -305,7 +335,7 @@ def test_bench_without_gpu_says_so_and_exits_0():
 def test_build_without_gpu_or_arch_says_what_to_pass(tmp_path):
     result = _cli("build", TORCH_EXTENSIONS_DIR=str(tmp_path), TORCH_CUDA_ARCH_LIST="")
     assert result.returncode == 1
-    assert "pass --arch" in result.stdout or "built without CUDA" in result.stdout
+    assert "pass --arch" in result.stderr or "built without CUDA" in result.stderr
 
 
 # ---- the kernels a wheel carries ------------------------------------------------------------
@@ -318,37 +348,59 @@ def carried(monkeypatch, tmp_path):
     package.mkdir()
     monkeypatch.setattr(build, "__file__", str(package / "build.py"))
 
-    def write(torch_version=torch.__version__, archs=("8.0", "9.0", "12.0+PTX"), library="_kernels.so"):
-        (package / library).write_bytes(b"")
-        record = {"torch": torch_version, "cuda": "13.0", "archs": list(archs), "library": library}
+    def write(torch_version="2.14.1+cu130", archs=("8.0", "9.0", "12.0+PTX"), cuda="13.0"):
+        libraries = {family: f"_{family}_kernels.abi3.so" for family in build.FAMILIES}
+        for library in libraries.values():
+            (package / library).write_bytes(b"")
+        record = {"torch": torch_version, "stable_abi_floor": list(build.STABLE_ABI_FLOOR), "cuda": cuda,
+                  "archs": list(archs), "libraries": libraries}
         (package / build.PREBUILT_RECORD).write_text(json.dumps(record))
-        return package / library
+        return {family: package / library for family, library in libraries.items()}
 
     return write
 
 
 def test_a_source_install_carries_no_kernels(carried):
-    assert build.prebuilt([(9, 0)]) == (None, "this install carries no compiled kernels")
+    assert build.prebuilt("plain", [(9, 0)]) == (None, "this install carries no compiled kernels")
 
 
-def test_carried_kernels_fit_their_torch_and_architectures(carried):
-    library = carried()
+def test_carried_kernels_fit_their_architectures(carried, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    libraries = carried()
     for capability in [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)]:  # same major, or PTX at most its own
-        assert build.prebuilt([capability]) == (library, ""), capability
+        for family, library in libraries.items():
+            assert build.prebuilt(family, [capability]) == (library, ""), capability
     for capability in [(7, 5), (10, 0)]:  # older than any; sm_90 machine code does not run on sm_100
-        found, why = build.prebuilt([(9, 0), capability])
+        found, why = build.prebuilt("plain", [(9, 0), capability])
         assert found is None and f"not {capability[0]}.{capability[1]}" in why
 
 
-def test_carried_kernels_of_another_torch_are_not_loaded(carried):
-    carried(torch_version="2.99.0+cu130")
-    found, why = build.prebuilt([(9, 0)])
-    assert found is None and f"built for torch 2.99.0+cu130, not {torch.__version__}" in why
+@pytest.mark.parametrize("version", ["2.10.0+cu130", "2.11.0", "2.13.0+cu130", "2.14.1", "2.20.0a0+git1234"])
+def test_carried_kernels_load_on_every_torch_from_the_floor_up(carried, monkeypatch, version):
+    libraries = carried(torch_version="2.14.1+cu130")
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch.version, "cuda", "13.1")
+    assert build.prebuilt("plain", [(9, 0)]) == (libraries["plain"], "")
+
+
+def test_carried_kernels_are_not_loaded_below_the_floor_or_on_another_cuda_major(carried, monkeypatch):
+    carried()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu130")
+    found, why = build.prebuilt("plain", [(9, 0)])
+    assert found is None and "need torch 2.10 or newer, not 2.9.1+cu130" in why
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu128")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    found, why = build.prebuilt("plain", [(9, 0)])
+    assert found is None and "are for CUDA 13, and this torch is built with CUDA 12.8" in why
 
 
 def test_a_build_that_fits_the_carried_kernels_loads_them(carried, monkeypatch):
-    library = carried()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    libraries = carried()
     loaded = []
     monkeypatch.setattr(build, "_load_library", lambda path, directory: loaded.append(path) or path)
     monkeypatch.setattr(build, "_build_or_load", lambda *args, **kwargs: pytest.fail("compiled"))
-    assert build.build("9.0") == library and loaded == [library]
+    assert build.build("9.0") == libraries and loaded == list(libraries.values())

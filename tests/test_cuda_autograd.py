@@ -375,7 +375,7 @@ def test_manual_cuda_graph_capture_of_a_training_step(name, captured_expectation
     torch.cuda.synchronize()
     param = PARAMS[name] if name in ("smooth_l1", "huber") else 0.0  # as fusedloss.functional passes it
     slot = grad_output_prediction.history_slot(name, param, "mean", input, target)
-    grad_output_prediction._history[2 * slot : 2 * slot + 2] = [captured_expectation, 0.0]
+    grad_output_prediction._history["plain"][2 * slot : 2 * slot + 2] = [captured_expectation, 0.0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_grad = step()

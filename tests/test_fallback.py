@@ -49,8 +49,8 @@ def _fake_nvcc(directory: Path, compile_error: str | None = None) -> Path:
 
 def _forget_this_process(monkeypatch) -> None:
     """As in a new process: no build tried, no library loaded, no warning given."""
-    monkeypatch.setattr(build, "_loaded_library", None)
-    monkeypatch.setattr(build, "_load_failure", None)
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_load_failures", {})
     monkeypatch.setattr(build, "_fallback_warned", False)
 
 
@@ -117,7 +117,7 @@ def test_compile_error_warns_once_and_is_remembered_across_processes(simulated_g
     simulated_gpu.setenv("CXX", "true")  # the host half compiles to nothing, at once
     answers, messages = _fallback_warnings()
     assert answers == [False, False] and len(messages) == 1
-    assert "compiling the CUDA kernels" in messages[0] and "identifier broken is undefined" in messages[0]
+    assert "compiling the plain CUDA kernels" in messages[0] and "identifier broken is undefined" in messages[0]
     assert "reduced_loss.cu" in messages[0]  # errors point at the real files
     assert not list((tmp_path / "extensions").glob("*/build-complete"))
     assert len(list((tmp_path / "extensions").glob("*/build-failed-*.txt"))) == 1

@@ -18,7 +18,7 @@ from fusedloss import grad_output_prediction
 @pytest.fixture
 def history(monkeypatch):
     table = (ctypes.c_double * 128)(*([1.0, 0.0] * 64))
-    monkeypatch.setattr(grad_output_prediction, "_history", table)
+    monkeypatch.setattr(grad_output_prediction, "_history", {"plain": table})
     # Fake CUDA tensors stand for real ones here: the prediction logic needs no GPU.
     monkeypatch.setattr(grad_output_prediction, "_traced", lambda input, target: torch.compiler.is_compiling())
     return table
@@ -29,7 +29,7 @@ def _operands(dtypes=(torch.float32, torch.float32), device="cuda", shapes=((30,
 
 
 def test_no_slot_before_the_notes_exist():
-    if grad_output_prediction._history is None:
+    if not grad_output_prediction._history:
         with FakeTensorMode():
             assert grad_output_prediction.history_slot("mse", 0.0, "mean", *_operands()) == -1
 
@@ -37,7 +37,7 @@ def test_no_slot_before_the_notes_exist():
 def test_traced_tensors_expect_one_and_note_nothing(monkeypatch):
     """AOTAutograd and opcheck trace with fake tensors (whose shapes may be symbolic):
     a traced graph keeps what it was traced with and notes nothing."""
-    monkeypatch.setattr(grad_output_prediction, "_history", (ctypes.c_double * 128)(*([7.0, 1.0] * 64)))
+    monkeypatch.setattr(grad_output_prediction, "_history", {"plain": (ctypes.c_double * 128)(*([7.0, 1.0] * 64))})
     with FakeTensorMode():
         operands = _operands()
         assert grad_output_prediction.history_slot("mse", 0.0, "mean", *operands) == -1

@@ -30,7 +30,7 @@ def kernels_loaded(request):
 
 
 def test_schemas():
-    for name in ("grad_output_history", "loss_gradients", *build.OPS):
+    for name in ("grad_output_history", "weighted_grad_output_history", "loss_gradients", *build.OPS):
         assert hasattr(torch.ops.fusedloss, name)
     schema = torch.ops.fusedloss.reduced_loss.default._schema
     assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask",
@@ -233,11 +233,12 @@ def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkey
     from fusedloss import functional
 
     calls = []
-    real = functional._reduced_loss
-    monkeypatch.setattr(functional, "_reduced_loss", lambda *args: calls.append(args[5]) or real(*args))
+    real = functional._apply
+    monkeypatch.setattr(functional, "_apply", lambda function, op, differentiable, *args: calls.append(args[5])
+                        or real(function, op, differentiable, *args))
     monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)
     if device == "cpu":
-        monkeypatch.setattr(build, "load", lambda: None)
+        monkeypatch.setattr(build, "load", lambda *families: {})
         monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
     x = torch.randn(8, device=device, requires_grad=True)
     y = torch.randn(8, device=device)
@@ -255,10 +256,11 @@ def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
     from fusedloss import functional
 
     calls = []
-    real = functional._reduced_loss
-    monkeypatch.setattr(functional, "_reduced_loss", lambda *args: calls.append((args[5], args[6])) or real(*args))
+    real = functional._apply
+    monkeypatch.setattr(functional, "_apply", lambda function, op, differentiable, *args: calls.append((args[5], args[6]))
+                        or real(function, op, differentiable, *args))
     if device == "cpu":
-        monkeypatch.setattr(build, "load", lambda: None)
+        monkeypatch.setattr(build, "load", lambda *families: {})
         monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
     x = torch.randn(1000, device=device, requires_grad=True)
     fusedloss.mse_loss(x, torch.randn(1000, device=device)).backward()

@@ -8,26 +8,28 @@ import time
 from pathlib import Path
 
 
-def _build(arch: str | None, force: bool) -> int:
+def _build(arch: str | None, force: bool, families: list[str]) -> int:
     import torch
 
     from . import build
 
     start = time.perf_counter()
     try:
-        library = build.build(arch, force=force)
+        libraries = build.build(arch, force=force, families=families)
     except (build.KernelsUnavailableError, ValueError) as error:
-        print(f"fusedloss build failed: {error}")
+        print(f"fusedloss build failed: {error}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - start
-    print(f"fusedloss kernels for compute capability {', '.join(build.arch_list(arch))} "
-          f"(torch {torch.__version__}, CUDA {torch.version.cuda}) ready in {seconds:.1f} s: {library}")
-    print(f"compiled with: {build.compiler_of(library)}")
+    print(f"fusedloss kernels ({', '.join(libraries)}) for compute capability {', '.join(build.arch_list(arch))} "
+          f"(torch {torch.__version__}, CUDA {torch.version.cuda}) ready in {seconds:.1f} s")
+    for family, library in libraries.items():
+        print(f"{family}: {library}, compiled with: {build.compiler_of(library)}")
     registered = build.registered_ops()
-    missing = sorted(set(build.OPS) - set(registered))
+    wanted = [op for family in libraries for op in build.FAMILIES[family].ops]
+    missing = sorted(set(wanted) - set(registered))
     print(f"CUDA kernels registered: {', '.join(f'fusedloss::{op}' for op in registered) or 'none'}")
     if missing:
-        print(f"fusedloss build failed: no CUDA kernel registered for {', '.join(missing)}")
+        print(f"fusedloss build failed: no CUDA kernel registered for {', '.join(missing)}", file=sys.stderr)
         return 1
     return 0
 
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     build_parser.add_argument("--arch", help="compute capabilities, e.g. 9.0 or '8.0;9.0+PTX' (default: "
                                              "TORCH_CUDA_ARCH_LIST, else the visible GPUs)")
     build_parser.add_argument("--force", action="store_true", help="build again, also after a recorded failure")
+    build_parser.add_argument("--family", action="append", default=[], choices=["plain", "weighted"],
+                              help="build only this family of kernels (repeatable; default: all)")
     bench = commands.add_parser("bench", help="check against float64 and time against eager and torch.compile")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the table, CSV and plot")
     bench.add_argument("--shape", type=int, nargs="+", default=[32768, 32768], help="input shape of the cases")
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     if args.command == "build":
-        return _build(args.arch, args.force)
+        return _build(args.arch, args.force, args.family)
 
     from . import bench as bench_module
 

@@ -1,16 +1,23 @@
 """Compiling and loading the CUDA kernels.
 
-A wheel built with its kernels (``setup.py``) carries them, compiled for the torch it
-was built against: ``load()`` takes them when they fit the running torch and GPUs
-(``prebuilt``). Otherwise the files in ``csrc/`` are compiled on first use with
-``torch.utils.cpp_extension.load``, one object per ``.cu`` file, in parallel,
-for the compute capabilities of the visible GPUs (or those named by
-``TORCH_CUDA_ARCH_LIST`` or ``python -m fusedloss build --arch``). The build
-goes into ``$TORCH_EXTENSIONS_DIR/fusedloss_<hash>`` (torch's default root when
-unset); the hash covers the sources, the flags, the architectures and the
-torch, CUDA and Python versions, so a build is reused by every later process,
-also one built ahead of time on a machine without a GPU, and never by a
-different setup.
+The kernels come in families (``FAMILIES``), one library each: the plain losses,
+and the weighted ones. Their host code uses only PyTorch's stable ABI
+(``csrc/glue.h``, ``-DTORCH_TARGET_VERSION``), so one compiled library loads on
+every torch from ``STABLE_ABI_FLOOR`` up.
+
+A wheel built with its kernels (``setup.py``) carries every family: ``load()``
+takes them when they fit the running torch (its CUDA major, and a version from
+the floor up) and GPUs (``prebuilt``). Otherwise a family's files in ``csrc/``
+are compiled on its first use with ``torch.utils.cpp_extension.load``, each
+``.cu`` file once per input dtype (``shard_sources``), in parallel, for the
+compute capabilities of the visible GPUs (or those named by
+``TORCH_CUDA_ARCH_LIST`` or ``python -m fusedloss build --arch``): the plain
+family on the first loss call, the weighted one on the first call that needs it.
+A build goes into ``$TORCH_EXTENSIONS_DIR/fusedloss_<family>_<hash>`` (torch's
+default root when unset); the hash covers the sources, the flags, the
+architectures and the torch, CUDA and Python versions, so a build is reused by
+every later process, also one built ahead of time on a machine without a GPU,
+and never by a different setup.
 
 The compiler is the CUDA toolkit's nvcc (``CUDA_HOME``, ``nvcc`` on the PATH, or
 ``/usr/local/cuda``) or, without one, NVIDIA's pip packages of the compiler
@@ -55,21 +62,62 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-# The host file and one translation unit per kernel family; the headers come in through #include.
-SOURCES = ("fusedloss_ops.cpp", "autograd.cpp", *sorted(path.name for path in CSRC.glob("*.cu")))
-COMMON_FLAGS = ["-O3"]  # the C++ standard is torch's choice: each torch version asks for its own
-OPS = ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward", "reduced_loss_backward_",
-       "weighted_loss", "weighted_loss_backward", "weighted_loss_backward_")
+
+# The oldest torch whose stable ABI the host code targets: what it was compiled against
+# must be at least this, and so must every torch that loads it.
+STABLE_ABI_FLOOR = (2, 10)
+# The C++ standard is torch's choice: each torch version asks for its own.
+COMMON_FLAGS = ["-O3", f"-DTORCH_TARGET_VERSION=0x{STABLE_ABI_FLOOR[0]:02x}{STABLE_ABI_FLOOR[1]:02x}000000000000"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One library of kernels: its host file, its CUDA files (the headers come in through
+    #include), and the operators it gives a CUDA kernel."""
+
+    name: str
+    host_source: str
+    cuda_sources: tuple[str, ...]
+    ops: tuple[str, ...]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.host_source, *self.cuda_sources)
+
+
+FAMILIES = {
+    "plain": Family(
+        "plain", "plain_ops.cpp",
+        ("pointwise_loss.cu", "pointwise_loss_backward.cu", "reduced_loss.cu", "reduced_loss_backward.cu",
+         "reduced_loss_blockwise.cu", "reduced_loss_input_and_target_gradients.cu", "reduced_loss_input_gradient.cu",
+         "reduced_loss_no_gradient.cu"),
+        ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward",
+         "reduced_loss_backward_"),
+    ),
+    "weighted": Family(
+        "weighted", "weighted_ops.cpp",
+        ("pointwise_loss_backward_broadcast.cu", "weighted_reduced_loss.cu", "weighted_reduced_loss_backward.cu",
+         "weighted_reduced_loss_backward_input_gradient.cu", "weighted_reduced_loss_input_and_target_gradients.cu",
+         "weighted_reduced_loss_input_gradient.cu"),
+        ("weighted_loss", "weighted_loss_backward", "weighted_loss_backward_", "pointwise_loss_backward_broadcast"),
+    ),
+}
+OPS = tuple(op for family in FAMILIES.values() for op in family.ops)
+# Each .cu file is compiled once per input dtype the kernels take, as the shard the
+# FUSEDLOSS_SHARD macros of csrc/launch.h name (shards.h dispatches to them): many
+# small objects compile in parallel where one large one would bound the build.
+SHARDS = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "float64": "double"}
 
 # What a wheel built with its kernels (setup.py) records beside them: the torch and CUDA
-# versions and the architectures they were compiled against, and the library's name.
+# versions they were compiled against, the stable ABI's floor, the architectures, and
+# each family's library.
 PREBUILT_RECORD = "_kernels.json"
 
 REQUIRE_KERNELS_ENV = "FUSEDLOSS_REQUIRE_KERNELS"
 FAILURE_RECORD = "build-failed-{compiler}.txt"
 
-_loaded_library: Path | None = None
-_load_failure: KernelsUnavailableError | None = None
+_loaded: dict[str, Path] = {}
+_load_failures: dict[str, KernelsUnavailableError] = {}
 _fallback_warned = False
 _load_lock = threading.Lock()
 
@@ -253,11 +301,11 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def build_name(archs: Sequence[str]) -> str:
-    """The build's folder name: a hash of everything the library depends on but the compiler."""
-    fingerprint = "\0".join([_source_digest(), *COMMON_FLAGS, *gencode_flags(archs), torch.__version__,
+def build_name(archs: Sequence[str], family: str = "plain") -> str:
+    """A family's build folder name: a hash of everything its library depends on but the compiler."""
+    fingerprint = "\0".join([family, _source_digest(), *COMMON_FLAGS, *gencode_flags(archs), torch.__version__,
                              str(torch.version.cuda), sys.version.split()[0]])
-    return "fusedloss_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    return f"fusedloss_{family}_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
 
 
 def build_root() -> Path:
@@ -311,25 +359,46 @@ def _first_error_lines(message: str, count: int = 3) -> str:
     return "\n  ".join(errors[:count] or message.strip().splitlines()[-count:])
 
 
-def _expected_seconds(archs: Sequence[str]) -> int:
-    """About how long a build takes here: its objects compile in parallel, so the slowest
-    one (about a minute per architecture) bounds it on many cores, the total work
-    (about four) on few."""
+# About how many seconds of one core a family's objects take per architecture, and the
+# slowest of them.
+_CORE_SECONDS = {"plain": (170, 8), "weighted": (200, 17)}
+
+
+def _expected_seconds(archs: Sequence[str], family: str) -> int:
+    """About how long a family's build takes here: its objects compile in parallel, so the
+    slowest one bounds it on many cores, the total work on few."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return round(len(archs) * max(60, 240 / cores))
+    total, slowest = _CORE_SECONDS[family]
+    return round(len(archs) * max(slowest, total / cores))
 
 
 def _say(line: str) -> None:
     print(f"fusedloss: {line}", file=sys.stderr, flush=True)
 
 
-def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str]) -> None:
+def shard_sources(family: Family, directory: Path) -> list[Path]:
+    """The family's files to compile: its host file, and each .cu file once per shard, as
+    a file in `directory` that names the shard and includes the .cu file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = [CSRC / family.host_source]
+    for source in family.cuda_sources:
+        for shard, input_type in SHARDS.items():
+            path = directory / f"{Path(source).stem}.{shard}.cu"
+            text = (f"#define FUSEDLOSS_SHARD shard_{shard}\n#define FUSEDLOSS_SHARD_INPUT {input_type}\n"
+                    f'#include "{source}"\n')
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
+            sources.append(path)
+    return sources
+
+
+def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str], family: Family) -> None:
     from torch.utils.cpp_extension import load
 
     with _cpp_extension_using(toolkit):
         load(
             name=name,
-            sources=[str(CSRC / source) for source in SOURCES],
+            sources=[str(path) for path in shard_sources(family, directory / "shards")],
             extra_cflags=COMMON_FLAGS,
             extra_cuda_cflags=COMMON_FLAGS + gencode_flags(archs),
             extra_ldflags=cudart_link_flags(toolkit, directory) + _libstdcxx_flags(),
@@ -339,8 +408,8 @@ def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str])
         )
 
 
-def _build_or_load(archs: Sequence[str], force: bool = False, why: str = "") -> Path:
-    name = build_name(archs)
+def _build_or_load(family: Family, archs: Sequence[str], force: bool = False, why: str = "") -> Path:
+    name = build_name(archs, family.name)
     directory = build_root() / name
     library = directory / f"{name}.so"
     done = directory / "build-complete"
@@ -365,18 +434,19 @@ def _build_or_load(archs: Sequence[str], force: bool = False, why: str = "") -> 
             _check_build_tools(toolkit, archs)
             targets = ", ".join("sm_" + a.removesuffix("+PTX").replace(".", "") + (" + PTX" if a.endswith("+PTX")
                                                                                   else "") for a in archs)
-            _say(f"{why + ': ' if why else ''}compiling the CUDA kernels for {targets} with {toolkit.nvcc}, once "
-                 f"for this torch; about {_expected_seconds(archs)} s here; cached in {directory}")
+            _say(f"{why + ': ' if why else ''}compiling the {family.name} CUDA kernels for {targets} with "
+                 f"{toolkit.nvcc}, once for this torch; about {_expected_seconds(archs, family.name)} s here; "
+                 f"cached in {directory}")
             start = time.perf_counter()
-            _compile(name, directory, toolkit, archs)
-            _say(f"compiled the CUDA kernels in {time.perf_counter() - start:.0f} s")
+            _compile(name, directory, toolkit, archs, family)
+            _say(f"compiled the {family.name} CUDA kernels in {time.perf_counter() - start:.0f} s")
         except Exception as error:
             lines = error.args[0] if isinstance(error, KernelsUnavailableError) else _first_error_lines(str(error))
             record.write_text(lines + "\n")
             if isinstance(error, KernelsUnavailableError):
                 raise
             raise KernelsUnavailableError(
-                f"compiling the CUDA kernels in {directory} with {toolkit.nvcc} failed:\n  {lines}\n"
+                f"compiling the {family.name} CUDA kernels in {directory} with {toolkit.nvcc} failed:\n  {lines}\n"
                 f"Check that nvcc, the C++ compiler and torch fit together (torch {torch.__version__} was built "
                 f"with CUDA {torch.version.cuda}), and report the error to fusedloss if they do."
             ) from error
@@ -413,17 +483,30 @@ def _covers(archs: Sequence[str], capability: tuple[int, int]) -> bool:
     return False
 
 
-def prebuilt(capabilities: Sequence[tuple[int, int]] | None = None) -> tuple[Path | None, str]:
-    """The kernels this install carries (a wheel built with them, setup.py), when they fit
-    this torch and GPUs of `capabilities` (default: the visible ones): (library, ""), or
-    (None, why not)."""
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version such as "2.11.0+cu130"."""
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
+
+
+def prebuilt(family: str = "plain", capabilities: Sequence[tuple[int, int]] | None = None) -> tuple[Path | None, str]:
+    """The family's kernels this install carries (a wheel built with them, setup.py), when
+    they fit this torch and GPUs of `capabilities` (default: the visible ones): (library,
+    ""), or (None, why not)."""
     record_path = Path(__file__).parent / PREBUILT_RECORD
     if not record_path.exists():
         return None, "this install carries no compiled kernels"
     record = json.loads(record_path.read_text())
-    library = record_path.parent / record["library"]
-    if record["torch"] != torch.__version__ or not library.exists():
-        return None, f"the kernels this install carries were built for torch {record['torch']}, not {torch.__version__}"
+    library = record_path.parent / record["libraries"][family]
+    floor = tuple(record["stable_abi_floor"])
+    if _version(torch.__version__) < floor:
+        return None, (f"the kernels this install carries need torch {floor[0]}.{floor[1]} or newer, not "
+                      f"{torch.__version__}")
+    if (torch.version.cuda or "").split(".")[0] != record["cuda"].split(".")[0]:
+        return None, (f"the kernels this install carries are for CUDA {record['cuda'].split('.')[0]}, and this torch "
+                      f"is built with {'CUDA ' + torch.version.cuda if torch.version.cuda else 'no CUDA'}")
+    if not library.exists():
+        return None, f"this install lacks {library.name}"
     if capabilities is None:
         capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
     missing = sorted({c for c in capabilities if not _covers(record["archs"], c)})
@@ -438,7 +521,7 @@ def compiler_of(library: Path) -> str:
     """The nvcc that built `library`, as its build file names it, or the wheel it came with."""
     record = library.parent / PREBUILT_RECORD
     if record.exists():
-        return f"the wheel's build, against torch {json.loads(record.read_text())['torch']}"
+        return f"the wheel's build, against torch {json.loads(record.read_text())['torch']} (stable ABI)"
     ninja = library.parent / "build.ninja"
     found = re.search(r"^nvcc = (.+)$", ninja.read_text(), re.MULTILINE) if ninja.exists() else None
     return found.group(1).strip() if found else "unknown"
@@ -449,9 +532,17 @@ def registered_ops() -> list[str]:
     return [op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedloss::{op}", "CUDA")]
 
 
-def build(arch: str | None = None, force: bool = False) -> Path:
-    """Build the kernels for `arch` (else ``TORCH_CUDA_ARCH_LIST``, else the visible GPUs)
-    into the cache, or reuse the cached build; load it; return the library's path.
+def _families(names: Sequence[str]) -> list[Family]:
+    unknown = sorted(set(names) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"no kernel family {unknown}: the families are {', '.join(FAMILIES)}")
+    return [FAMILIES[name] for name in (names or FAMILIES)]
+
+
+def build(arch: str | None = None, force: bool = False, families: Sequence[str] = ()) -> dict[str, Path]:
+    """Build `families` (default: all) for `arch` (else ``TORCH_CUDA_ARCH_LIST``, else the
+    visible GPUs) into the cache, or reuse the cached builds; load them; return each
+    family's library path.
 
     Needs no GPU, so a login node or an image build can prepare the cache that
     later GPU processes load. ``force`` builds again, also after a recorded failure.
@@ -460,54 +551,62 @@ def build(arch: str | None = None, force: bool = False) -> Path:
     if not archs:
         raise KernelsUnavailableError("no GPU is visible and no architecture was named: pass --arch (for example "
                                       "python -m fusedloss build --arch 9.0) or set TORCH_CUDA_ARCH_LIST")
+    libraries = {}
     with _load_lock:
-        library, why_not = prebuilt([_capability(a) for a in archs])
-        if library is not None and not force:
-            return _load_library(library, library.parent)
-        return _build_or_load(archs, force, why_not)
+        for family in _families(families):
+            library, why_not = prebuilt(family.name, [_capability(a) for a in archs])
+            if library is not None and not force:
+                libraries[family.name] = _load_library(library, library.parent)
+            else:
+                libraries[family.name] = _build_or_load(family, archs, force, why_not)
+    return libraries
 
 
-def load() -> Path | None:
-    """Build the CUDA kernels if needed, load them once per process, and return the library's path.
+def load(*families: str) -> dict[str, Path]:
+    """Build `families` of CUDA kernels (default: all) if needed, load each once per process,
+    and return the loaded ones' library paths.
 
     Without a CUDA device there is nothing to run them on (CUDA tensors can then
-    only be fake ones, which the fake kernels serve): None. Raises
+    only be fake ones, which the fake kernels serve): nothing is loaded. Raises
     ``KernelsUnavailableError`` when they cannot be built or loaded; a failure
-    is remembered, so the build is tried once per process, and on disk, so a
+    is remembered, so a build is tried once per process, and on disk, so a
     later process reports it at once.
     """
-    global _loaded_library, _load_failure
-    if _loaded_library is None:
+    for family in _families(families):
+        if family.name in _loaded:
+            continue
         with _load_lock:
-            if _load_failure is not None:
-                raise _load_failure
-            if _loaded_library is None and torch.cuda.is_available():
+            if family.name in _load_failures:
+                raise _load_failures[family.name]
+            if family.name not in _loaded and torch.cuda.is_available():
                 try:
-                    library, why_not = prebuilt()
+                    library, why_not = prebuilt(family.name)
                     if library is not None:
-                        _loaded_library = _load_library(library, library.parent)
+                        _loaded[family.name] = _load_library(library, library.parent)
                     else:
-                        _loaded_library = _build_or_load(arch_list(), why=why_not)
+                        _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not)
                 except KernelsUnavailableError as error:
-                    _load_failure = error
+                    _load_failures[family.name] = error
                     raise
-    return _loaded_library
+    return dict(_loaded)
 
 
 def _kernels_required() -> bool:
     return os.environ.get(REQUIRE_KERNELS_ENV, "0") not in ("", "0")
 
 
-def use_kernels() -> bool:
-    """Whether CUDA operands go to fusedloss's kernels (loading them on first call).
+def use_kernels(family: str = "plain") -> bool:
+    """Whether CUDA operands go to the `family` of fusedloss's kernels (loading them on first call).
 
     False when the kernels cannot be built or loaded: the first such call warns
     with a ``FallbackWarning`` saying why and how to fix it, unless
     ``FUSEDLOSS_REQUIRE_KERNELS=1``, which raises ``KernelsUnavailableError`` instead.
     """
     global _fallback_warned
+    if family in _loaded:
+        return True
     try:
-        load()
+        load(family)
     except KernelsUnavailableError as error:
         if _kernels_required():
             raise

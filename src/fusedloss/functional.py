@@ -167,9 +167,18 @@ def _reduced(per_element: Tensor, reduction: str) -> Tensor:
     raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
 
 
-_reduced_loss = torch.ops.fusedloss.reduced_loss.default
-_pointwise_loss = torch.ops.fusedloss.pointwise_loss.default
+_reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
+_pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
 _weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
+
+
+def _apply(function: type[torch.autograd.Function], op, differentiable: tuple[Tensor | None, ...], *args):
+    """The operator with its autograd (ops.py) where a `differentiable` operand wants a
+    gradient, else straight to its kernel."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+        return function.apply(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _16_BIT = (torch.float16, torch.bfloat16)
@@ -252,7 +261,7 @@ def _fused_loss(
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
     autocast = _under_autocast(input, target)
     if mode == "none":
-        return _pointwise_loss(input, target, loss, param, autocast)
+        return _apply(ops.PointwiseLoss, _pointwise_loss_op, (input, target), input, target, loss, param, autocast)
     output_mask, slot, expected = _NO_GRADIENTS, -1, 1.0
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
@@ -260,7 +269,8 @@ def _fused_loss(
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, mode, input, target)
             if not mispredicted:
                 output_mask = [input.requires_grad, target.requires_grad]
-    return _reduced_loss(input, target, loss, param, mode, output_mask, slot, expected, autocast)[0]
+    return _apply(ops.ReducedLoss, _reduced_loss_op, (input, target), input, target, loss, param, mode, output_mask, slot, expected,
+                  autocast)[0]
 
 
 def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
@@ -297,7 +307,7 @@ def _fused_weighted_applies(input: Tensor, target: Tensor, weight: Tensor | None
         and not scale.is_complex()
         and not _needs_grad(scale)
     )
-    return weight_fits and scale_fits
+    return weight_fits and scale_fits and build.use_kernels("weighted")
 
 
 def _weighted_loss(
@@ -406,10 +416,11 @@ def _fused_weighted_loss(
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         if _forward_writes_gradients(input, target, numel):
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target,
-                                                                          weight)
+                                                                          weight, family="weighted")
             if not mispredicted:
                 output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
-    return _weighted_loss_op(input, target, weight, device_scale, divisor, host_scale, loss, param, output_mask,
+    return _apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight, device_scale, divisor, host_scale, loss,
+                  param, output_mask,
                              slot, expected, float32_math)[0]
 
 

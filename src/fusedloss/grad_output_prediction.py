@@ -33,18 +33,19 @@ import ctypes
 import torch
 from torch import Tensor
 
-_history: ctypes.Array | None = None
+# Each family of kernels (build.FAMILIES) keeps its own notes, read through its own operator.
+_NOTES_OPS = {"plain": "grad_output_history", "weighted": "weighted_grad_output_history"}
+_history: dict[str, ctypes.Array] = {}
 
 
-def _history_table() -> ctypes.Array | None:
-    """The notes, fetched (and allocated) once, never while a CUDA graph is being
+def _history_table(family: str) -> ctypes.Array | None:
+    """The family's notes, fetched (and allocated) once, never while a CUDA graph is being
     captured (allocating pinned memory is not allowed then)."""
-    global _history
-    if _history is None and not torch.cuda.is_current_stream_capturing():
-        table = torch.ops.fusedloss.grad_output_history()  # (slots, 2): grad_output, mispredicted
+    if family not in _history and not torch.cuda.is_current_stream_capturing():
+        table = getattr(torch.ops.fusedloss, _NOTES_OPS[family])()  # (slots, 2): grad_output, mispredicted
         # A ctypes view reads the live memory on every index, without torch's overhead.
-        _history = (ctypes.c_double * table.numel()).from_address(table.data_ptr())
-    return _history
+        _history[family] = (ctypes.c_double * table.numel()).from_address(table.data_ptr())
+    return _history.get(family)
 
 
 def _traced(input: Tensor, target: Tensor) -> bool:
@@ -53,26 +54,28 @@ def _traced(input: Tensor, target: Tensor) -> bool:
 
 
 def history_slot(loss: str, param: float, reduction: str, input: Tensor, target: Tensor,
-                 weight: Tensor | None = None) -> int:
+                 weight: Tensor | None = None, family: str = "plain") -> int:
     """The slot where this loss's backward notes grad_output, or -1 for nowhere
     (CPU operands, tracing, or before the notes exist)."""
-    if _history is None or input.device.type != "cuda" or _traced(input, target):
+    history = _history.get(family)
+    if history is None or input.device.type != "cuda" or _traced(input, target):
         return -1
     signature = (loss, param, reduction, tuple(input.shape), tuple(target.shape), input.dtype, target.dtype,
                  input.device.index, None if weight is None else tuple(weight.shape))
-    return hash(signature) % (len(_history) // 2)
+    return hash(signature) % (len(history) // 2)
 
 
 def predict(loss: str, param: float, reduction: str, input: Tensor, target: Tensor,
-            weight: Tensor | None = None) -> tuple[int, float, bool]:
+            weight: Tensor | None = None, family: str = "plain") -> tuple[int, float, bool]:
     """(slot, expected grad_output, mispredicted) for a large loss's forward: the grad_output
     noted in the slot by the last backward there (1.0 where there is none), and whether
     that backward's forward expected another; after a misprediction the forward writes no
     gradient."""
-    if _history is None and input.device.type == "cuda" and not _traced(input, target):
+    if family not in _history and input.device.type == "cuda" and not _traced(input, target):
         with torch.cuda.device(input.device):  # where the pinned allocation's context lives
-            _history_table()
-    slot = history_slot(loss, param, reduction, input, target, weight)
+            _history_table(family)
+    slot = history_slot(loss, param, reduction, input, target, weight, family)
     if slot < 0:
         return slot, 1.0, False
-    return slot, _history[2 * slot], _history[2 * slot + 1] != 0.0
+    history = _history[family]
+    return slot, history[2 * slot], history[2 * slot + 1] != 0.0

@@ -1,9 +1,10 @@
 """The ``fusedloss::`` operators: schemas, fake kernels, autograd and CPU kernels.
 
-The CUDA kernels live in the compiled extension (``csrc/fusedloss_ops.cpp``),
-which registers them with ``TORCH_LIBRARY_IMPL(fusedloss, CUDA, m)`` when
-``build.load()`` loads it. The schemas are defined here so that they, the fake
-kernels and the autograd formulas exist, and can be tested, without a GPU.
+The CUDA kernels live in the compiled libraries of ``build.FAMILIES``
+(``csrc/plain_ops.cpp``, ``csrc/weighted_ops.cpp``), which register them on
+PyTorch's stable ABI when ``build.load()`` loads them. The schemas are defined
+here so that they, the fake kernels and the autograd exist, and can be tested,
+without a GPU. Autograd is written once, here, for every device.
 
 ``loss`` names a row of ``functional.LOSSES``; ``param`` is beta for ``smooth_l1``
 (> 0) and delta for ``huber``. Operands broadcast; gradients come back in the
@@ -22,12 +23,15 @@ broadcast shape and autograd sums them to each operand's own shape.
   gradients the forward was not asked for. Same bits as the forward's for that
   grad_output.
 - ``pointwise_loss`` / ``pointwise_loss_backward``: ``reduction='none'``, each
-  one pass.
+  one pass. ``pointwise_loss_backward_broadcast`` is the backward for a
+  grad_output expanded over some dimensions (the backward of a sum over them),
+  read where it lies (the weighted family's; the plain one copies it first).
 - ``grad_output_history``: the host-mapped notes in which the backward
   operators record, at ``history_slot`` (-1: nowhere), grad_output and whether
   it was not ``expected_grad_output``, for the next forward to predict from
   (CUDA only; see ``grad_output_prediction``). The forward takes the slot and
-  the expectation for its backward.
+  the expectation for its backward. ``weighted_grad_output_history``: the
+  weighted family's notes.
 - ``weighted_loss`` / ``weighted_loss_backward``: ``host_scale * scale / divisor
   * sum_e weight_e * loss_e`` (``scale`` and ``divisor`` one-element tensors read
   on the device, or None), and its gradients, fused into the forward's pass as
@@ -49,8 +53,6 @@ operands as float32 (these losses are on its float32 list), a float32 loss,
 and gradients in the operands' own dtypes. On CUDA the kernels read the
 16-bit operands as they are.
 
-The autograd formulas below serve CPU tensors and tracing; on CUDA the same
-formulas run in C++ (``csrc/autograd.cpp``), so that backward runs no Python.
 """
 
 from __future__ import annotations
@@ -106,7 +108,12 @@ _lib.define(
     "weighted_loss_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
     "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False) -> (Tensor, Tensor, Tensor)"
 )
+_lib.define(
+    "pointwise_loss_backward_broadcast(Tensor grad_output, Tensor input, Tensor target, str loss, float param, "
+    "bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)"
+)
 _lib.define("grad_output_history() -> Tensor")
+_lib.define("weighted_grad_output_history() -> Tensor")
 
 
 def _grad_buffer(wanted: bool, like: Tensor, shape: Sequence[int]) -> Tensor:
@@ -139,11 +146,11 @@ def broadcast_numel(input: Tensor, target: Tensor) -> int:
 # ---- fake kernels (shapes and dtypes for torch.compile) ----------------------
 
 
-def _load_kernels_for(device: torch.device) -> None:
+def _load_kernels_for(device: torch.device, family: str = "plain") -> None:
     # A compiled graph calls the CUDA kernels without passing through
     # fusedloss.functional, so tracing one makes sure they are loaded.
     if device.type == "cuda":
-        build.load()
+        build.load(family)
 
 
 @torch.library.register_fake("fusedloss::pointwise_loss")
@@ -159,6 +166,16 @@ def _pointwise_loss_backward_fake(
     autocast: bool = False,
 ) -> tuple[Tensor, Tensor]:
     _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
+@torch.library.register_fake("fusedloss::pointwise_loss_backward_broadcast")
+def _pointwise_loss_backward_broadcast_fake(
+    grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool],
+    autocast: bool = False,
+) -> tuple[Tensor, Tensor]:
+    _load_kernels_for(input.device, "weighted")
     shape = torch.broadcast_shapes(input.shape, target.shape)
     return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
 
@@ -213,7 +230,7 @@ def _weighted_loss_fake(
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], history_slot: int = -1,
     expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _load_kernels_for(input.device)
+    _load_kernels_for(input.device, "weighted")
     out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
     return out, *_weighted_grad_buffers(input, target, loss, output_mask, autocast)
 
@@ -224,7 +241,7 @@ def _weighted_loss_backward_fake(
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
     history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _load_kernels_for(input.device)
+    _load_kernels_for(input.device, "weighted")
     return _weighted_grad_buffers(input, target, loss, output_mask, autocast)
 
 
@@ -234,7 +251,7 @@ def _weighted_loss_backward_in_place_fake(
     target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None, host_scale: float,
     loss: str, param: float, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
 ) -> None:
-    _load_kernels_for(input.device)
+    _load_kernels_for(input.device, "weighted")
 
 
 # ---- CPU kernels: the torch formulas --------------------------------------------
@@ -255,6 +272,7 @@ def _gradients_cpu(
     return grad_input, grad_target
 
 
+@torch.library.impl(_lib, "pointwise_loss_backward_broadcast", "CPU")
 @torch.library.impl(_lib, "pointwise_loss_backward", "CPU")
 def _pointwise_loss_backward_cpu(
     grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, output_mask: Sequence[bool],
@@ -426,16 +444,27 @@ def _pointwise_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(input, target)
 
 
+def _expanded(grad: Tensor) -> bool:
+    """Whether grad is expanded over some of its dimensions, not all (the backward of a sum
+    over those): the weighted family's kernel reads such a grad_output where it lies."""
+    strides = grad.stride()
+    expanded = [stride == 0 and size > 1 for stride, size in zip(strides, grad.shape)]
+    return any(expanded) and not all(stride == 0 for stride in strides)
+
+
 def _pointwise_backward(ctx, grad: Tensor):
     input, target = ctx.saved_tensors
     needs = ctx.needs_input_grad[:2]
     if torch.is_grad_enabled():
-        grad_input, grad_target = torch.ops.fusedloss.loss_gradients(grad, input, target, ctx.loss, ctx.param, "none",
+        grad_input, grad_target = torch.ops.fusedloss.loss_gradients.default(grad, input, target, ctx.loss, ctx.param, "none",
                                                                      ctx.autocast)
     else:
-        grad_input, grad_target = torch.ops.fusedloss.pointwise_loss_backward(
-            grad, input, target, ctx.loss, ctx.param, [bool(needs[0]), bool(needs[1])], ctx.autocast
-        )
+        op = torch.ops.fusedloss.pointwise_loss_backward.default
+        if grad.is_cuda and type(grad) is Tensor and _expanded(grad) and build.use_kernels("weighted"):
+            op = torch.ops.fusedloss.pointwise_loss_backward_broadcast.default
+        with torch._C._AutoDispatchBelowAutograd():  # these operators have no autograd of their own
+            grad_input, grad_target = op(grad, input, target, ctx.loss, ctx.param, [bool(needs[0]), bool(needs[1])],
+                                         ctx.autocast)
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
             None, None, None)
 
@@ -472,18 +501,21 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
     input, target = ctx.saved_tensors
     needs = [bool(n) for n in ctx.needs_input_grad[:2]]
     if torch.is_grad_enabled():
-        grad_input, grad_target = torch.ops.fusedloss.loss_gradients(
+        grad_input, grad_target = torch.ops.fusedloss.loss_gradients.default(
             grad, input, target, ctx.loss, ctx.param, ctx.reduction, ctx.autocast
         )
     elif (fused := _fused_gradients(ctx, needs)) is not None:
         grad_input, grad_target = fused
-        torch.ops.fusedloss.reduced_loss_backward_(grad_input, grad_target, grad, input, target, ctx.loss, ctx.param,
-                                                   ctx.reduction, ctx.expected_grad_output, ctx.slot, ctx.autocast)
+        with torch._C._AutoDispatchBelowAutograd():
+            torch.ops.fusedloss.reduced_loss_backward_.default(grad_input, grad_target, grad, input, target, ctx.loss,
+                                                       ctx.param, ctx.reduction, ctx.expected_grad_output, ctx.slot,
+                                                       ctx.autocast)
     else:
-        grad_input, grad_target = torch.ops.fusedloss.reduced_loss_backward(
-            grad, input, target, ctx.loss, ctx.param, ctx.reduction, needs, ctx.slot, ctx.expected_grad_output,
-            ctx.autocast,
-        )
+        with torch._C._AutoDispatchBelowAutograd():
+            grad_input, grad_target = torch.ops.fusedloss.reduced_loss_backward.default(
+                grad, input, target, ctx.loss, ctx.param, ctx.reduction, needs, ctx.slot, ctx.expected_grad_output,
+                ctx.autocast,
+            )
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
             *(None,) * 7)
 
@@ -499,7 +531,11 @@ def _weighted_setup_context(ctx, inputs, output) -> None:
 
 
 def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
-    """As csrc/autograd.cpp's WeightedLossBackward."""
+    """The weighted reductions: the reduced losses' plan with a weight, whose gradient per
+    element (scale times the element's loss) the kernels write beside the operands', and a
+    divisor, d out / d divisor = -out / divisor. A scale takes no gradient here
+    (``functional`` computes that case with torch operations). create_graph=True, and a
+    weight's gradient wanted alone, go through the formulas."""
     if ctx.needs_input_grad[3]:
         raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
                            "compute it with torch operations")
@@ -509,16 +545,18 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     host_scale, loss, param, autocast = ctx.arguments
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
     if torch.is_grad_enabled() or (needs[2] and not (needs[0] or needs[1])):
-        gradients = torch.ops.fusedloss.weighted_loss_gradients(
+        gradients = torch.ops.fusedloss.weighted_loss_gradients.default(
             grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
     elif (gradients := _fused_gradients(ctx, needs)) is not None:
-        torch.ops.fusedloss.weighted_loss_backward_(*gradients, grad, input, target, weight, scale, divisor,
-                                                    host_scale, loss, param, ctx.expected_grad_output, ctx.slot,
-                                                    autocast)
+        with torch._C._AutoDispatchBelowAutograd():
+            torch.ops.fusedloss.weighted_loss_backward_.default(*gradients, grad, input, target, weight, scale, divisor,
+                                                        host_scale, loss, param, ctx.expected_grad_output, ctx.slot,
+                                                        autocast)
     else:
-        gradients = torch.ops.fusedloss.weighted_loss_backward(
-            grad, input, target, weight, scale, divisor, host_scale, loss, param, needs, ctx.slot,
-            ctx.expected_grad_output, autocast)
+        with torch._C._AutoDispatchBelowAutograd():
+            gradients = torch.ops.fusedloss.weighted_loss_backward.default(
+                grad, input, target, weight, scale, divisor, host_scale, loss, param, needs, ctx.slot,
+                ctx.expected_grad_output, autocast)
     grad_input, grad_target, grad_weight = gradients
     grad_divisor = None
     if ctx.needs_input_grad[4]:
@@ -528,12 +566,38 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
             *(None,) * 7)
 
 
-torch.library.register_autograd(
-    "fusedloss::weighted_loss", _weighted_backward, setup_context=_weighted_setup_context
-)
-torch.library.register_autograd(
-    "fusedloss::pointwise_loss", _pointwise_backward, setup_context=_pointwise_setup_context
-)
-torch.library.register_autograd(
-    "fusedloss::reduced_loss", _reduced_backward, setup_context=_reduced_setup_context
-)
+# The autograd of each differentiable operator, written once (setup_context and backward
+# above), with two ways in: registered with the operator, for whoever calls it (CPU,
+# tracing, torch.ops), and as an autograd.Function that fusedloss.functional applies,
+# which enters the operator below autograd: the registered route wraps every call in
+# Python bookkeeping that a small training step feels. Its forward takes ctx and calls
+# setup_context itself: a Function with a separate setup_context binds its arguments
+# to forward's signature on every call, which costs a small step as much again.
+_DIFFERENTIABLE = {
+    "pointwise_loss": (_pointwise_setup_context, _pointwise_backward),
+    "reduced_loss": (_reduced_setup_context, _reduced_backward),
+    "weighted_loss": (_weighted_setup_context, _weighted_backward),
+}
+
+
+def _function(name: str) -> type[torch.autograd.Function]:
+    op = getattr(torch.ops.fusedloss, name).default
+    setup_context, backward = _DIFFERENTIABLE[name]
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": f"fusedloss::{name} with its registered autograd.",
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+    })
+
+
+PointwiseLoss = _function("pointwise_loss")
+ReducedLoss = _function("reduced_loss")
+WeightedLoss = _function("weighted_loss")

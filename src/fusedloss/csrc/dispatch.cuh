@@ -20,6 +20,19 @@ void with_dtype(DType dtype, F&& f) {
   }
 }
 
+template <typename T>
+constexpr DType dtype_of();
+
+// with_dtype for the input: only the shard's dtype in a sharded build (launch.h).
+template <class F>
+void with_input_dtype(DType dtype, F&& f) {
+#ifdef FUSEDLOSS_SHARD_INPUT
+  if (dtype == dtype_of<FUSEDLOSS_SHARD_INPUT>()) f(FUSEDLOSS_SHARD_INPUT{});
+#else
+  with_dtype(dtype, f);
+#endif
+}
+
 template <class F>
 void with_loss(LossKind loss, F&& f) {
 #define FUSEDLOSS_LOSS_CASE(Name, name, param) \
@@ -63,7 +76,7 @@ constexpr bool computes_as_autocast() {
 template <class F>
 cudaError_t with_problem_types(const LossProblem& p, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
-  with_dtype(p.input_dtype, [&](auto in) {
+  with_input_dtype(p.input_dtype, [&](auto in) {
     with_dtype(p.target_dtype, [&](auto tgt) {
       using In = decltype(in);
       using Tgt = decltype(tgt);

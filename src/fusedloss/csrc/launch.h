@@ -1,4 +1,4 @@
-// The boundary between the host code (torch tensors, fusedloss_ops.cpp) and the
+// The boundary between the host code (torch tensors, glue.h) and the
 // kernels (plain pointers, the *.cu files). The kernels include no torch
 // header, so they compile quickly and can be shipped on their own.
 //
@@ -11,6 +11,22 @@
 #include <cuda_runtime.h>
 
 #include "losses.cuh"
+
+// Where the .cu files define what they define: namespace fusedloss, or in a build
+// that compiles each once per input dtype (FUSEDLOSS_SHARD, with
+// FUSEDLOSS_SHARD_INPUT its type; build.py), a namespace of that shard's inside it,
+// from which shards.h's launchers pick.
+#ifdef FUSEDLOSS_SHARD
+#define FUSEDLOSS_KERNELS_BEGIN \
+  namespace fusedloss {         \
+  namespace FUSEDLOSS_SHARD {
+#define FUSEDLOSS_KERNELS_END \
+  }                           \
+  }
+#else
+#define FUSEDLOSS_KERNELS_BEGIN namespace fusedloss {
+#define FUSEDLOSS_KERNELS_END }
+#endif
 
 namespace fusedloss {
 

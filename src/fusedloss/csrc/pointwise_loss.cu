@@ -2,7 +2,7 @@
 #include "dispatch.cuh"
 #include "kernels.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t stream) {
   return with_problem_types(p, [&](auto loss, auto in, auto tgt) {
@@ -16,4 +16,4 @@ cudaError_t launch_pointwise_loss(const LossProblem& p, void* out, cudaStream_t 
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

@@ -2,7 +2,7 @@
 #include "dispatch.cuh"
 #include "kernels.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* grad_output,
                                            bool grad_output_is_scalar, void* grad_input, void* grad_target,
@@ -16,4 +16,4 @@ cudaError_t launch_pointwise_loss_backward(const LossProblem& p, const void* gra
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

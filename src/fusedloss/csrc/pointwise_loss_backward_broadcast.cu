@@ -4,7 +4,7 @@
 #include "dispatch.cuh"
 #include "kernels.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 template <class Loss, typename In, typename Tgt, Grads kGrads>
 using BroadcastGradOutputBackwardOp = PointwiseLossBackwardOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
@@ -22,4 +22,4 @@ cudaError_t launch_pointwise_loss_backward_broadcast(const LossProblem& p, const
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

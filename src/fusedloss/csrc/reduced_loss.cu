@@ -5,7 +5,7 @@
 // so that they compile in parallel.
 #include "reduction_pass.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 extern template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Word*, void*, void*, bool,
                                                                 cudaStream_t);
@@ -53,4 +53,4 @@ cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

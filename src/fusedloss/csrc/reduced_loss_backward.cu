@@ -6,7 +6,7 @@
 #include "dispatch.cuh"
 #include "kernels.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_output, bool mean, void* grad_input,
                                          void* grad_target, const BackwardOptions& options, cudaStream_t stream) {
@@ -18,4 +18,4 @@ cudaError_t launch_reduced_loss_backward(const LossProblem& p, const void* grad_
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

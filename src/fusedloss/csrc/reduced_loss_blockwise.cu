@@ -6,7 +6,7 @@
 
 #include "reduction_pass.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 namespace {
 
 // How many blocks of the kernel the current GPU holds at once, looked up once per device.
@@ -71,4 +71,4 @@ cudaError_t launch_blockwise_reduction(const LossProblem& p, void* block_sums, b
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

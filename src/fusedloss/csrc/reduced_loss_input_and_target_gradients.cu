@@ -2,9 +2,9 @@
 // where its pointer is set (reduction_pass.cuh).
 #include "reduction_pass.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 template cudaError_t launch_reduction_pass<Grads::kInputAndTarget>(const LossProblem&, Word*, void*, void*, bool,
                                                                    cudaStream_t);
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

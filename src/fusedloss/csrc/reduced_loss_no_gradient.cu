@@ -1,8 +1,8 @@
 // The read-only reduction pass (reduction_pass.cuh).
 #include "reduction_pass.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 template cudaError_t launch_reduction_pass<Grads::kNone>(const LossProblem&, Word*, void*, void*, bool, cudaStream_t);
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

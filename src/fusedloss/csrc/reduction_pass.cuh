@@ -6,7 +6,7 @@
 #include "dispatch.cuh"
 #include "kernels.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 // Launches the pass that sums the loss of `p` into `sum` (zeroed scratch of
 // scratch_bytes(tiles)) and writes the gradients kGrads names.
@@ -44,4 +44,4 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

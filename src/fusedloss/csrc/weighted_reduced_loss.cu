@@ -1,7 +1,7 @@
 // launch_weighted_reduced_loss, and its read-only pass (weighted_reduction.cuh).
 #include "weighted_reduction.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 extern template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*,
                                                                 void*, cudaStream_t);
@@ -33,4 +33,4 @@ cudaError_t launch_weighted_reduced_loss(const LossProblem& p, double* partials,
   return launch_weighted_pass<Grads::kNone>(p, partials, nullptr, nullptr, nullptr, out, stream);
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

@@ -2,7 +2,7 @@
 // d target, and d loss / d input where its pointer is set (weighted_reduction.cuh).
 #include "weighted_reduction.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 extern template cudaError_t launch_weighted_backward_pass<Grads::kInput>(const LossProblem&, const void*, void*,
                                                                          void*, void*, const BackwardOptions&,
@@ -26,4 +26,4 @@ cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& p, const vo
   return grad_weight != nullptr ? cudaErrorInvalidValue : cudaSuccess;
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

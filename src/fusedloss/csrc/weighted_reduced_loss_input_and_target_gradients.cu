@@ -2,9 +2,9 @@
 // where its pointer is set (weighted_reduction.cuh).
 #include "weighted_reduction.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 template cudaError_t launch_weighted_pass<Grads::kInputAndTarget>(const LossProblem&, double*, void*, void*, void*,
                                                                   void*, cudaStream_t);
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

@@ -1,9 +1,9 @@
 // The weighted pass that also writes d loss / d input (weighted_reduction.cuh).
 #include "weighted_reduction.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 template cudaError_t launch_weighted_pass<Grads::kInput>(const LossProblem&, double*, void*, void*, void*, void*,
                                                          cudaStream_t);
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END

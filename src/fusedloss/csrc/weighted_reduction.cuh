@@ -7,7 +7,7 @@
 #include "dispatch.cuh"
 #include "kernels.cuh"
 
-namespace fusedloss {
+FUSEDLOSS_KERNELS_BEGIN
 
 template <class Loss, typename In, typename Tgt, Grads kGrads>
 using WeightedReducedLossOp = ReducedLossOp<Loss, In, Tgt, kGrads, Weighted<opmath_t<In, Tgt>>>;
@@ -73,4 +73,4 @@ cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad
   });
 }
 
-}  // namespace fusedloss
+FUSEDLOSS_KERNELS_END
