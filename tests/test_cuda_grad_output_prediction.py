@@ -20,20 +20,22 @@ NEVER = 1 << 62  # FUSED_GRADIENT_FROM_BYTES that no loss reaches: backward comp
 @pytest.fixture(autouse=True)
 def kernels(monkeypatch):
     build.load()
+    grad_output_prediction._history_table("plain")  # so that history_slot has a slot to give from the first test on
     # The forward writes the gradient from FUSED_GRADIENT_FROM_BYTES of operands on; these tests use small ones.
     monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)
 
 
 def _note(slot: int, grad_output: float, mispredicted: bool = False) -> None:
-    grad_output_prediction._history_table()  # allocated on a first forward; a test may come first
+    history = grad_output_prediction._history_table("plain")  # allocated on a first forward; a test may come first
     torch.cuda.synchronize()  # no kernel may overwrite it
-    grad_output_prediction._history[2 * slot] = grad_output
-    grad_output_prediction._history[2 * slot + 1] = float(mispredicted)
+    history[2 * slot] = grad_output
+    history[2 * slot + 1] = float(mispredicted)
 
 
 def _noted(slot: int) -> tuple[float, bool]:
     torch.cuda.synchronize()
-    return grad_output_prediction._history[2 * slot], grad_output_prediction._history[2 * slot + 1] != 0.0
+    history = grad_output_prediction._history["plain"]
+    return history[2 * slot], history[2 * slot + 1] != 0.0
 
 
 def _loss(name, input, target, reduction, **kwargs):

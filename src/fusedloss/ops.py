@@ -61,6 +61,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import build, formulas
 
@@ -567,12 +568,12 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
 
 
 # The autograd of each differentiable operator, written once (setup_context and backward
-# above), with two ways in: registered with the operator, for whoever calls it (CPU,
-# tracing, torch.ops), and as an autograd.Function that fusedloss.functional applies,
-# which enters the operator below autograd: the registered route wraps every call in
-# Python bookkeeping that a small training step feels. Its forward takes ctx and calls
-# setup_context itself: a Function with a separate setup_context binds its arguments
-# to forward's signature on every call, which costs a small step as much again.
+# above) as an autograd.Function that enters the operator below autograd. The operator's
+# own autograd kernel applies it, for whoever calls the operator (CPU, tracing,
+# torch.ops); fusedloss.functional applies it directly. Its forward takes ctx and calls
+# setup_context itself: a Function with a separate setup_context binds its arguments to
+# forward's signature on every call, which a small training step feels, and so does
+# torch.library.register_autograd's bookkeeping.
 _DIFFERENTIABLE = {
     "pointwise_loss": (_pointwise_setup_context, _pointwise_backward),
     "reduced_loss": (_reduced_setup_context, _reduced_backward),
@@ -580,10 +581,14 @@ _DIFFERENTIABLE = {
 }
 
 
+def _has_tangent(args: Sequence[object]) -> bool:
+    return forward_ad._current_level >= 0 and any(
+        isinstance(a, Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args)
+
+
 def _function(name: str) -> type[torch.autograd.Function]:
     op = getattr(torch.ops.fusedloss, name).default
     setup_context, backward = _DIFFERENTIABLE[name]
-    torch.library.register_autograd(op, backward, setup_context=setup_context)
 
     def forward(ctx, *args):
         with torch._C._AutoDispatchBelowAutograd():
@@ -591,11 +596,29 @@ def _function(name: str) -> type[torch.autograd.Function]:
         setup_context(ctx, args, output)
         return output
 
-    return type(name, (torch.autograd.Function,), {
-        "__doc__": f"fusedloss::{name} with its registered autograd.",
+    function = type(name, (torch.autograd.Function,), {
+        "__doc__": f"fusedloss::{name} with its autograd.",
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),
     })
+
+    arguments = op._schema.arguments
+
+    def autograd_kernel(*args, **kwargs):
+        if len(args) < len(arguments):  # every argument, as the Function takes them
+            args = (*args, *(kwargs.get(a.name, a.default_value) for a in arguments[len(args):]))
+        # Reverse mode only: a tangent would be dropped, so a dual operand is refused
+        # (fusedloss's functions hand dual tensors to torch.nn.functional).
+        if _has_tangent(args):
+            raise RuntimeError(f"fusedloss::{name} has no forward-mode AD rule; fusedloss's loss functions compute "
+                               "dual tensors through torch.nn.functional")
+        if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+            return function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    _lib.impl(name, autograd_kernel, "Autograd")
+    return function
 
 
 PointwiseLoss = _function("pointwise_loss")

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -191,8 +192,12 @@ inline Shape broadcast_shape(const Shape& a, const Shape& b) {
   for (int64_t i = 0; i < rank; ++i) {
     const int64_t size_a = i < skip_a ? 1 : a[i - skip_a];
     const int64_t size_b = i < skip_b ? 1 : b[i - skip_b];
-    STD_TORCH_CHECK(size_a == size_b || size_a == 1 || size_b == 1, "The size of tensor a (", size_a,
-                    ") must match the size of tensor b (", size_b, ") at non-singleton dimension ", i);
+    if (size_a != size_b && size_a != 1 && size_b != 1) {
+      // PyTorch's words alone: STD_TORCH_CHECK would add where it failed.
+      throw std::runtime_error("The size of tensor a (" + std::to_string(size_a) +
+                               ") must match the size of tensor b (" + std::to_string(size_b) +
+                               ") at non-singleton dimension " + std::to_string(i));
+    }
     shape[i] = size_a == 1 ? size_b : size_a;
   }
   return shape;
