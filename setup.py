@@ -61,8 +61,8 @@ def _kernel_build():
 
     link_dir = ROOT / "build" / "cudart"
     link_dir.mkdir(parents=True, exist_ok=True)
-    extensions = [
-        CUDAExtension(
+    extensions = {
+        family.name: CUDAExtension(
             f"fusedloss._{family.name}_kernels",
             sources=[str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
                      for path in build.shard_sources(family, ROOT / "build" / "shards" / family.name)],
@@ -73,24 +73,24 @@ def _kernel_build():
             py_limited_api=True,  # no Python API: links no libtorch_python
         )
         for family in build.FAMILIES.values()
-    ]
+    }
 
     class BuildKernels(BuildExtension):
         """Builds the libraries, and records beside them what they were built against."""
 
         def run(self) -> None:
             super().run()
-            libraries = {name.rsplit("._", 1)[1].removesuffix("_kernels"): Path(self.get_ext_fullpath(name)).name
-                         for name in (extension.name for extension in extensions)}
+            paths = {family: Path(self.get_ext_fullpath(extension.name)) for family, extension in extensions.items()}
             record = {"torch": torch.__version__, "stable_abi_floor": list(build.STABLE_ABI_FLOOR),
-                      "cuda": torch.version.cuda, "archs": archs, "libraries": libraries}
-            package = Path(self.get_ext_fullpath(extensions[0].name)).parent
+                      "cuda": torch.version.cuda, "archs": archs,
+                      "libraries": {family: path.name for family, path in paths.items()}}
+            package = paths["plain"].parent
             (package / build.PREBUILT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
     print(f"fusedloss: the wheel carries the kernels for {', '.join(archs)}, built against torch "
           f"{torch.__version__} with {toolkit.nvcc}, for every torch from "
           f"{'.'.join(map(str, build.STABLE_ABI_FLOOR))} of CUDA {torch.version.cuda.split('.')[0]}", file=sys.stderr)
-    return extensions, {"build_ext": BuildKernels.with_options(use_ninja=True)}
+    return list(extensions.values()), {"build_ext": BuildKernels.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = _kernel_build()

@@ -44,7 +44,8 @@ std::tuple<Tensor, Tensor> pointwise_loss_backward(Tensor grad_output, Tensor in
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   Operands ops = prepare(input, target, loss, param, autocast);
   STD_TORCH_CHECK(same_device(grad_output, input), "fusedloss: grad_output must be on the operands' device");
-  Tensor go = expand(as_dtype(grad_output, ops.loss_dtype), ops.shape);
+  Tensor go = as_dtype(grad_output, ops.loss_dtype);
+  if (shape_of(go) != ops.shape) go = expand(go, ops.shape);
   bool go_is_scalar = go.numel() > 0;
   for (const int64_t stride : go.strides()) go_is_scalar = go_is_scalar && stride == 0;
   go = go_is_scalar ? as_strided(go, {1}, {1}) : as_kernel_layout(go);
