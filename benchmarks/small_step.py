@@ -1,6 +1,7 @@
 """Host wall time of a small training step (MSE), fusedloss against eager, and the two
-ways into fusedloss's autograd (docs/design.md, "Autograd"): the autograd.Function that
-``fusedloss.mse_loss`` applies, and the operator's registered autograd, called directly.
+autograds of fusedloss (docs/design.md, "Autograd"): what ``fusedloss.mse_loss`` takes
+(the C++ autograd where it is built, ``python -m fusedloss build``), and ops.py's
+autograd.Function, applied directly.
 
 A step is ``p.grad = None; loss(p, t).backward()``: at these sizes it is bound by host
 time. Each cell is the median of `--repeats` measurements, each the median of seven
@@ -21,15 +22,16 @@ import torch
 import torch.nn.functional as F
 
 import fusedloss
+from fusedloss import build, ops
 from fusedloss.bench_training import _step, wall_us
 
 
-def _registered(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The operator called with its registered autograd (torch.library.register_autograd)."""
-    return torch.ops.fusedloss.reduced_loss(p, t, "mse", 0.0, "mean", [False, False], -1, 1.0, False)[0]
+def _python_autograd(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The operator with ops.py's autograd.Function."""
+    return ops.ReducedLoss.apply(p, t, "mse", 0.0, "mean", [False, False], -1, 1.0, False)[0]
 
 
-SYSTEMS = {"eager": F.mse_loss, "fused": fusedloss.mse_loss, "registered": _registered}
+SYSTEMS = {"eager": F.mse_loss, "fused": fusedloss.mse_loss, "python": _python_autograd}
 
 
 def main() -> None:
@@ -39,8 +41,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, fusedloss {fusedloss.__version__}")
-    print(f"{'N':>10} {'dtype':9} " + " ".join(f"{name:>11}" for name in SYSTEMS) + "  fused/eager  registered/eager")
+    build.load("plain")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, fusedloss {fusedloss.__version__}, "
+          f"C++ autograd {'loaded' if build.cxx_autograd_loaded() else 'not built'}")
+    print(f"{'N':>10} {'dtype':9} " + " ".join(f"{name:>11}" for name in SYSTEMS) + "  fused/eager  python/eager")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for exponent in args.exponents:
@@ -53,9 +57,9 @@ def main() -> None:
             rows.append({"n": 2**exponent, "dtype": str(dtype).removeprefix("torch."),
                          **{f"{name}_us": round(value, 2) for name, value in us.items()},
                          "fused_over_eager": round(ratios["fused"], 4),
-                         "registered_over_eager": round(ratios["registered"], 4)})
+                         "python_over_eager": round(ratios["python"], 4)})
             print(f"{2**exponent:>10} {rows[-1]['dtype']:9} " + " ".join(f"{us[name]:11.1f}" for name in SYSTEMS)
-                  + f"  {ratios['fused']:11.3f}  {ratios['registered']:15.3f}", flush=True)
+                  + f"  {ratios['fused']:11.3f}  {ratios['python']:12.3f}", flush=True)
     with open(args.out / "small_step.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -54,8 +54,10 @@ def test_each_cu_file_is_compiled_once_per_shard(tmp_path):
 
 def test_the_host_code_targets_the_stable_abi():
     assert any(flag.startswith("-DTORCH_TARGET_VERSION=0x020a") for flag in build.COMMON_FLAGS)
+    # The optional C++ autograd is the one exception: compiled per torch, outside the families.
+    assert all(build._CXX_AUTOGRAD_SOURCE.name not in family.sources for family in build.FAMILIES.values())
     for path in build.CSRC.iterdir():
-        if path.suffix in (".cpp", ".h", ".cuh", ".cu"):
+        if path.suffix in (".cpp", ".h", ".cuh", ".cu") and path != build._CXX_AUTOGRAD_SOURCE:
             includes = re.findall(r'^#include <([^>]+)>', path.read_text(), re.MULTILINE)
             torch_headers = [h for h in includes if h.startswith(("torch/", "ATen/", "c10/"))]
             assert all(h.startswith(("torch/csrc/stable/", "torch/csrc/inductor/aoti_torch/c/", "torch/headeronly/"))
@@ -231,7 +233,7 @@ build._load_library = lambda library, directory: library
 build._check_build_tools = lambda toolkit, archs: None
 build.find_toolkit = lambda: build.Toolkit(build.Path(sys.executable).resolve().parent.parent, "system")
 try:
-    print(build.build("9.0", force=bool(os.environ.get("FORCE")), families=["plain"])["plain"])
+    print(build.build("9.0", force=bool(os.environ.get("FORCE")), families=["plain"], cxx_autograd=False)["plain"])
 except build.KernelsUnavailableError as error:
     print("FAILED", error)
 """
@@ -403,4 +405,4 @@ def test_a_build_that_fits_the_carried_kernels_loads_them(carried, monkeypatch):
     loaded = []
     monkeypatch.setattr(build, "_load_library", lambda path, directory: loaded.append(path) or path)
     monkeypatch.setattr(build, "_build_or_load", lambda *args, **kwargs: pytest.fail("compiled"))
-    assert build.build("9.0") == libraries and loaded == list(libraries.values())
+    assert build.build("9.0", cxx_autograd=False) == libraries and loaded == list(libraries.values())

@@ -38,6 +38,15 @@ compiling again; ``python -m fusedloss build --force`` tries again. When the
 kernels cannot be built or loaded, ``use_kernels()`` warns once with the cause
 and the fix and returns False, and ``fusedloss.functional`` falls back to
 ``torch.nn.functional``. ``FUSEDLOSS_REQUIRE_KERNELS=1`` makes that an error.
+
+Beside the kernels, an optional host-only library (``csrc/cxx_autograd.cpp``) gives
+the two paths of a small training step their autograd as C++ graph nodes, which
+saves that step the host time of a Python backward. It uses libtorch's C++ API, so
+it is compiled per torch, with the host C++ compiler (``$CXX``, else ``c++``), never
+nvcc: by ``python -m fusedloss build``, and beside a source build of the kernels. It
+is loaded whenever it is cached for the running torch; without it (a wheel and no
+``build`` run, no compiler, ``FUSEDLOSS_CXX_AUTOGRAD=0``) ``ops.py``'s autograd
+serves, with the same results.
 """
 
 from __future__ import annotations
@@ -539,10 +548,12 @@ def _families(names: Sequence[str]) -> list[Family]:
     return [FAMILIES[name] for name in (names or FAMILIES)]
 
 
-def build(arch: str | None = None, force: bool = False, families: Sequence[str] = ()) -> dict[str, Path]:
+def build(arch: str | None = None, force: bool = False, families: Sequence[str] = (),
+          cxx_autograd: bool = True) -> dict[str, Path]:
     """Build `families` (default: all) for `arch` (else ``TORCH_CUDA_ARCH_LIST``, else the
     visible GPUs) into the cache, or reuse the cached builds; load them; return each
-    family's library path.
+    family's library path. With the plain family, and `cxx_autograd`, also compile and
+    load the host-only C++ autograd for this torch (no failure if it cannot be).
 
     Needs no GPU, so a login node or an image build can prepare the cache that
     later GPU processes load. ``force`` builds again, also after a recorded failure.
@@ -559,6 +570,10 @@ def build(arch: str | None = None, force: bool = False, families: Sequence[str] 
                 libraries[family.name] = _load_library(library, library.parent)
             else:
                 libraries[family.name] = _build_or_load(family, archs, force, why_not)
+        if cxx_autograd and "plain" in libraries:
+            if force:
+                shutil.rmtree(cxx_autograd_library().parent, ignore_errors=True)
+            load_cxx_autograd(build_if_missing=True)
     return libraries
 
 
@@ -585,10 +600,94 @@ def load(*families: str) -> dict[str, Path]:
                         _loaded[family.name] = _load_library(library, library.parent)
                     else:
                         _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not)
+                    if family.name == "plain":
+                        # A source build has a compiler at hand; a wheel's user gets it from `build`.
+                        load_cxx_autograd(build_if_missing=library is None)
                 except KernelsUnavailableError as error:
                     _load_failures[family.name] = error
                     raise
     return dict(_loaded)
+
+
+# ---- the host-only autograd accelerator -------------------------------------------------
+
+CXX_AUTOGRAD_ENV = "FUSEDLOSS_CXX_AUTOGRAD"
+_CXX_AUTOGRAD_SOURCE = CSRC / "cxx_autograd.cpp"
+_cxx_autograd_loaded = False
+
+
+def cxx_autograd_loaded() -> bool:
+    """Whether the C++ autograd of the small-step paths serves this process (``functional``)."""
+    return _cxx_autograd_loaded
+
+
+def _cxx_autograd_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    # The standard torch's own cpp_extension asks for: C++20 from torch 2.13 on.
+    standard = "-std=c++20" if _version(torch.__version__) >= (2, 13) else "-std=c++17"
+    # -O1: the header parse dominates, and this host code does little work.
+    return [standard, "-O1", "-shared", "-fPIC", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *(f"-I{path}" for path in include_paths())]
+
+
+def cxx_autograd_library() -> Path:
+    """Where the accelerator for this torch is cached: its C++ API is this torch's own."""
+    fingerprint = "\0".join([_CXX_AUTOGRAD_SOURCE.read_text(), torch.__version__, torch.version.git_version,
+                             sys.version.split()[0]])
+    name = "fusedloss_cxx_autograd_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    return build_root() / name / f"{name}.so"
+
+
+def _compile_cxx_autograd(library: Path) -> None:
+    compiler = os.environ.get("CXX") or "c++"
+    torch_lib = Path(torch.__file__).parent / "lib"
+    partial = library.with_suffix(".partial.so")
+    command = [compiler, *_cxx_autograd_flags(), str(_CXX_AUTOGRAD_SOURCE), "-o", str(partial), f"-L{torch_lib}",
+               "-lc10", "-ltorch_cpu"]
+    _say(f"compiling the C++ autograd for torch {torch.__version__} with {compiler}, once; about 10 s; cached in "
+         f"{library.parent}")
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as error:
+        raise KernelsUnavailableError(f"{compiler} could not be run: {error}") from error
+    if result.returncode != 0:
+        raise KernelsUnavailableError(f"{compiler} failed:\n  {_first_error_lines(result.stderr + result.stdout)}")
+    partial.replace(library)
+    _say(f"compiled the C++ autograd in {time.perf_counter() - start:.0f} s")
+
+
+def load_cxx_autograd(build_if_missing: bool) -> bool:
+    """Load the accelerator for this torch where it is cached, else compile it first if
+    `build_if_missing`; return whether it serves. A failed compile is recorded and said
+    once, and the Python autograd serves."""
+    global _cxx_autograd_loaded
+    if _cxx_autograd_loaded or os.environ.get(CXX_AUTOGRAD_ENV, "1") == "0":
+        return _cxx_autograd_loaded
+    library = cxx_autograd_library()
+    record = library.parent / "build-failed.txt"
+    if not library.exists():
+        if not build_if_missing or record.exists():
+            return False
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(library.parent / "build.flock"):
+            if not library.exists():
+                try:
+                    _compile_cxx_autograd(library)
+                except KernelsUnavailableError as error:
+                    record.write_text(f"{error}\n")
+                    _say(f"the optional C++ autograd did not compile ({error}); the Python autograd serves, "
+                         f"with the same results. Recorded in {record}.")
+                    return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:
+        _say(f"loading {library} failed ({error}); the Python autograd serves. Delete {library.parent} to rebuild it.")
+        return False
+    _cxx_autograd_loaded = True
+    return True
 
 
 def _kernels_required() -> bool:

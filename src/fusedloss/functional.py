@@ -191,7 +191,7 @@ _NO_WEIGHTED_GRADIENTS = [False, False, False]
 # Below, a step is bound by host time, not memory: backward computes the gradient
 # from the operands, in as many launches and with no bookkeeping (docs/design.md,
 # "Gradients in the forward pass").
-FUSED_GRADIENT_FROM_BYTES = 1 << 27
+FUSED_GRADIENT_FROM_BYTES = 1 << 28
 
 
 def _forward_writes_gradients(input: Tensor, target: Tensor, numel: int) -> bool:
@@ -260,17 +260,22 @@ def _fused_loss(
     if loss == "smooth_l1" and param == 0.0:
         loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
     autocast = _under_autocast(input, target)
+    wants_gradients = (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
     if mode == "none":
+        if wants_gradients and build.cxx_autograd_loaded():
+            return torch.ops.fusedloss_cxx.pointwise_loss.default(input, target, loss, param, autocast)
         return _apply(ops.PointwiseLoss, _pointwise_loss_op, (input, target), input, target, loss, param, autocast)
     output_mask, slot, expected = _NO_GRADIENTS, -1, 1.0
-    if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
+    if wants_gradients:
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
         if _forward_writes_gradients(input, target, numel):
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, mode, input, target)
             if not mispredicted:
                 output_mask = [input.requires_grad, target.requires_grad]
-    return _apply(ops.ReducedLoss, _reduced_loss_op, (input, target), input, target, loss, param, mode, output_mask, slot, expected,
-                  autocast)[0]
+        elif build.cxx_autograd_loaded():  # a step bound by host time: no Python in its backward
+            return torch.ops.fusedloss_cxx.reduced_loss.default(input, target, loss, param, mode, autocast)
+    return _apply(ops.ReducedLoss, _reduced_loss_op, (input, target), input, target, loss, param, mode, output_mask,
+                  slot, expected, autocast)[0]
 
 
 def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
