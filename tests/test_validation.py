@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import fusedloss
+
 from conftest import LOSSES, loss_kwargs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -55,3 +57,43 @@ def test_float_input_with_integer_target_behaves_like_torch(name):
             ours(x, y)
     else:
         torch.testing.assert_close(ours(x, y), expected)
+
+
+# ---- bad arguments: PyTorch-style errors or a documented NaN, never a plausible number ----
+
+
+@pytest.mark.parametrize("scale", ["0.5", 1j, torch.tensor(1j), [0.5]], ids=["str", "complex", "complex-tensor", "list"])
+def test_a_scale_that_is_not_real_raises_a_type_error(scale):
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        fusedloss.mse_loss(x, y, scale=scale)
+
+
+@pytest.mark.parametrize("name,keyword", [("smooth_l1", "beta"), ("huber", "delta")])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_string_parameter_raises_pytorchs_type_error(name, keyword, weighted):
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    extra = {"weight": torch.ones(3)} if weighted else {}
+    with pytest.raises(TypeError, match=f"argument '{keyword}'.* must be float, not str"):
+        LOSSES[name][0](x, y, **{keyword: "1"}, **extra)
+
+
+def test_a_string_c_raises_a_type_error():
+    with pytest.raises(TypeError, match="argument 'c' must be float or Tensor, not str"):
+        fusedloss.pseudo_huber_loss(torch.randn(3), torch.randn(3), c="1")
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_a_tensor_c_not_above_zero_gives_nan_losses(bad, reduction):
+    x, y = torch.randn(2, 5), torch.randn(2, 5)
+    c = torch.tensor([[bad], [0.7]], requires_grad=True)
+    out = fusedloss.pseudo_huber_loss(x, y, c=c, reduction=reduction)
+    if reduction == "none":
+        assert out[0].isnan().all() and not out[1].isnan().any()
+        torch.testing.assert_close(out[1], fusedloss.pseudo_huber_loss(x[1], y[1], c=0.7, reduction="none"))
+    else:
+        assert out.isnan()
+    out.sum().backward()
+    if reduction == "none":  # the valid row keeps its gradient
+        assert c.grad[1].isfinite().all() and c.grad[0].eq(0).all()

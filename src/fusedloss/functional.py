@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -287,8 +288,14 @@ def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
 
 
 def _check_scale(scale: float | Tensor | None) -> None:
-    if isinstance(scale, Tensor) and scale.dim() != 0:
-        raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}")
+    if isinstance(scale, Tensor):
+        if scale.is_complex():
+            raise TypeError(f"fusedloss: scale must be a real number or a real 0-d tensor, not a {scale.dtype} tensor")
+        if scale.dim() != 0:
+            raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape "
+                             f"{tuple(scale.shape)}")
+    elif scale is not None and not isinstance(scale, numbers.Real):
+        raise TypeError(f"fusedloss: scale must be a real number or a 0-d tensor, not {type(scale).__name__}")
 
 
 def _needs_grad(t: Tensor | float | None) -> bool:
@@ -502,6 +509,11 @@ def smooth_l1_loss(
     """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1.
     ``weight`` (fusedloss's extension: PyTorch has none for this loss) and ``scale`` as
     described in this module's docstring; a weighted mean divides by the weight's sum."""
+    if not isinstance(beta, numbers.Real):  # PyTorch's conversion, or its error
+        if weight is not None or scale is not None:
+            beta = _as_float("smooth_l1_loss", "beta", beta)
+        else:
+            return F.smooth_l1_loss(input, target, size_average, reduce, reduction, beta=beta)
     if weight is not None or scale is not None:
         if not (beta >= 0):
             return F.smooth_l1_loss(input, target, reduction=reduction, beta=beta)  # PyTorch's error
@@ -523,6 +535,11 @@ def huber_loss(
 ) -> Tensor:
     """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype. A
     weighted mean divides by N, as PyTorch's does; ``scale`` as in this module's docstring."""
+    if not isinstance(delta, numbers.Real):  # PyTorch's conversion, or its error
+        if weight is not None or scale is not None:
+            delta = _as_float("huber_loss", "delta", delta)
+        else:
+            return F.huber_loss(input, target, reduction=reduction, delta=delta)
     if weight is not None or scale is not None:
         if not (delta > 0):
             return F.huber_loss(input, target, reduction=reduction, delta=delta)  # PyTorch's error
@@ -548,14 +565,19 @@ def pseudo_huber_loss(
     near 0, about 2c|d| far from it. fusedloss's own loss, not PyTorch's Huber.
 
     ``c`` is a float > 0 (fused; ValueError otherwise) or a tensor that broadcasts to the
-    loss's shape, such as a per-sample c (computed with torch operations; its values are
-    not checked, as that would wait for the GPU). The result has the operands'
+    loss's shape, such as a per-sample c (computed with torch operations). A tensor's
+    elements that are not > 0 give NaN losses (checking them on the host would wait for
+    the GPU). The result has the operands'
     promoted dtype (float32 under CUDA autocast). ``weight`` and ``scale`` as in this
     module's docstring; a weighted mean divides by the weight's sum.
     """
     if reduction not in _MODES:
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    if not isinstance(c, Tensor) and not c > 0:
+    if isinstance(c, Tensor):
+        c = _nan_where_not_positive(c)
+    elif not isinstance(c, numbers.Real) or isinstance(c, bool):
+        raise TypeError(f"pseudo_huber_loss(): argument 'c' must be float or Tensor, not {type(c).__name__}")
+    elif not c > 0:
         raise ValueError(f"fusedloss: pseudo_huber_loss needs c > 0, got {c}")
     fused_c = not isinstance(c, Tensor)
     if weight is not None or scale is not None:
@@ -568,6 +590,21 @@ def pseudo_huber_loss(
         _warn_if_target_broadcasts(input, target, stacklevel=3)
         return _pseudo_huber_formula(input, target, c, reduction)
     return _fused_loss("pseudo_huber", float(c), input, target, None, None, reduction)
+
+
+def _nan_where_not_positive(c: Tensor) -> Tensor:
+    """A tensor c's elements that are not > 0 as NaN: their losses are NaN, never a
+    plausible number, and nothing waits for the GPU to check them."""
+    if not c.is_floating_point():
+        c = c.to(torch.get_default_dtype())
+    return c.masked_fill(~(c > 0), math.nan)
+
+
+def _as_float(function: str, name: str, value: object) -> float:
+    """A number argument as PyTorch takes it (a float, or a one-element tensor), else its TypeError."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value)
+    raise TypeError(f"{function}(): argument '{name}' must be float, not {type(value).__name__}")
 
 
 def _pseudo_huber_formula(input: Tensor, target: Tensor, c: float | Tensor, reduction: str = "none") -> Tensor:
