@@ -1,4 +1,4 @@
-"""Command line: ``python -m fusedloss {build,bench} ...``."""
+"""Command line: ``python -m fusedloss {build,info,bench} ...`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -34,9 +34,36 @@ def _build(arch: str | None, force: bool, families: list[str]) -> int:
     return 0
 
 
+def _info() -> int:
+    import torch
+
+    from . import __version__, build
+
+    print(f"fusedloss {__version__}; torch {torch.__version__}, CUDA {torch.version.cuda or 'none (a CPU build)'}")
+    if not torch.cuda.is_available():
+        print("GPU: none visible; CUDA tensors cannot run here, and CPU tensors run torch.nn.functional")
+        archs = build.arch_list()
+        capabilities = [build._capability(a) for a in archs]
+    else:
+        capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        print(f"GPU: {', '.join(names)}, compute capability "
+              f"{', '.join(sorted({f'{major}.{minor}' for major, minor in capabilities}))}")
+        archs = build.arch_list()
+    for family in build.FAMILIES:
+        print(f"{family} kernels: {build.kernel_source(family, archs, capabilities)}")
+    library = build.cxx_autograd_library()
+    print(f"C++ autograd: {'cached in ' + str(library.parent) if library.exists() else 'not built (python -m fusedloss build compiles it)'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="python -m fusedloss")
+    parser.add_argument("--version", action="version", version=f"fusedloss {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, the GPU, and where the kernels come from (wheel, cache or none)")
     build_parser = commands.add_parser(
         "build", help="compile the CUDA kernels into the cache now (no GPU needed with --arch) and load them")
     build_parser.add_argument("--arch", help="compute capabilities, e.g. 9.0 or '8.0;9.0+PTX' (default: "
@@ -64,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "build":
         return _build(args.arch, args.force, args.family)
+    if args.command == "info":
+        return _info()
 
     from . import bench as bench_module
 

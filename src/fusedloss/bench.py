@@ -240,6 +240,22 @@ def cpu_demo() -> None:
         print(f"{case.loss:10} {value.item():12.6f} {reference:12.6f} {relative_error(value, reference):9.1e}")
 
 
+# What the largest row holds per element: two fp32 operands and eager's intermediates
+# (its MSE step peaks at five N-sized fp32 tensors besides them), with headroom.
+_BYTES_PER_ELEMENT = 32
+
+
+def fitting_shape(shape: tuple[int, ...], free_bytes: int) -> tuple[int, ...]:
+    """`shape` with its first dimension halved until the rows fit in `free_bytes`; says so."""
+    fitted = shape
+    while math.prod(fitted) * _BYTES_PER_ELEMENT > free_bytes and fitted[0] > 1:
+        fitted = (fitted[0] // 2, *fitted[1:])
+    if fitted != shape:
+        print(f"fusedloss bench: {free_bytes / 2**30:.1f} GiB of GPU memory free; shape {shape} needs about "
+              f"{math.prod(shape) * _BYTES_PER_ELEMENT / 2**30:.0f} GiB, so the rows use {fitted}")
+    return fitted
+
+
 def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE,
         with_training: bool = True, with_latency: bool = True, only_latency: bool = False,
         latency_exponents: tuple[int, ...] | None = None, with_weighted: bool = True,
@@ -252,6 +268,7 @@ def run(out_dir: Path, shape: tuple[int, ...] = SEED_SHAPE,
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     build.load()
+    shape = fitting_shape(shape, torch.cuda.mem_get_info()[0])
     device = torch.cuda.get_device_name()
     print(f"device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda}; shape {shape}")
     from . import bench_training, bench_weighted  # here: they import this module's helpers

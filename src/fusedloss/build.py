@@ -536,6 +536,23 @@ def compiler_of(library: Path) -> str:
     return found.group(1).strip() if found else "unknown"
 
 
+def kernel_source(family: str, archs: Sequence[str], capabilities: Sequence[tuple[int, int]]) -> str:
+    """Where `family`'s kernels would come from here, in words: the wheel, the cache, or
+    neither and why."""
+    library, why_not = prebuilt(family, capabilities)
+    if library is not None:
+        return f"from this install's wheel ({library.name})"
+    if not archs:
+        return f"none: {why_not}, and no GPU or architecture to build for"
+    directory = build_root() / build_name(archs, family)
+    if (directory / "build-complete").exists():
+        return f"from the build cache ({directory}), compiled with {compiler_of(directory / (directory.name + '.so'))}"
+    failures = sorted(directory.glob(FAILURE_RECORD.format(compiler="*")))
+    if failures:
+        return f"none: a build failed (recorded in {failures[0]}); python -m fusedloss build --force tries again"
+    return f"none yet: {why_not}; compiled on first use (or by python -m fusedloss build) into {directory}"
+
+
 def registered_ops() -> list[str]:
     """The fusedloss:: operators that have a CUDA kernel in this process."""
     return [op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(f"fusedloss::{op}", "CUDA")]

@@ -1,0 +1,47 @@
+"""The command line: --version, info, and the bench sizing itself to the free GPU memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fusedloss
+from fusedloss import bench
+
+SRC = str(Path(fusedloss.__file__).resolve().parents[1])
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "fusedloss", *args], capture_output=True, text=True, env=environment,
+                          timeout=120)
+
+
+def test_version():
+    result = _cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"fusedloss {fusedloss.__version__}"
+
+
+def test_info_says_where_each_family_comes_from(tmp_path):
+    result = _cli("info", env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"fusedloss {fusedloss.__version__}; torch ")
+    for family in ("plain", "weighted"):
+        (line,) = [line for line in lines if line.startswith(f"{family} kernels: ")]
+        assert "wheel" in line or str(tmp_path) in line  # the wheel's, or where a build would go
+    assert any(line.startswith("C++ autograd: ") for line in lines)
+
+
+def test_a_failed_command_reports_on_stderr():
+    result = _cli("build", "--family", "nonexistent")
+    assert result.returncode != 0 and result.stdout == "" and "nonexistent" in result.stderr
+
+
+def test_the_bench_halves_its_shape_until_it_fits(capsys):
+    assert bench.fitting_shape((32768, 32768), 80 * 2**30) == (32768, 32768)
+    assert capsys.readouterr().out == ""
+    assert bench.fitting_shape((32768, 32768), 10 * 2**30) == (8192, 32768)
+    assert "10.0 GiB of GPU memory free" in capsys.readouterr().out
