@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedloss
-from fusedloss import bench, bench_training, build, functional
+from fusedloss import build, functional
+from fusedloss.bench import timing, training
 
 LOSSES = {"mse": (fusedloss.mse_loss, F.mse_loss), "smooth_l1": (fusedloss.smooth_l1_loss, F.smooth_l1_loss),
           "l1": (fusedloss.l1_loss, F.l1_loss), "huber": (fusedloss.huber_loss, F.huber_loss)}
@@ -37,10 +38,10 @@ SMALL_EXPONENTS = (7, 10, 12, 14, 16, 18, 20, 22, 24)
 
 
 def large_rows(n: int) -> list[dict]:
-    copy, copy_bytes = bench.device_copy()
+    copy, copy_bytes = timing.device_copy()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        p, t = bench.seed_inputs((n,), dtype, "cuda")
+        p, t = timing.seed_inputs((n,), dtype, "cuda")
         p.requires_grad_(True)
         read, step_bytes = 2 * n * p.element_size(), 3 * n * p.element_size()
         for name, (fused, _) in LOSSES.items():
@@ -66,14 +67,14 @@ def large_rows(n: int) -> list[dict]:
                      "step, grad_output 65536": (step(65536.0), step_bytes),
                      "step, grad_output changing": (step("changing"), step_bytes)}
             for case, (fn, nbytes) in cases.items():
-                ms = bench.time_side_by_side({"fused": fn, "copy": copy})
+                ms = timing.time_side_by_side({"fused": fn, "copy": copy})
                 rows.append({"loss": name, "dtype": str(dtype).removeprefix("torch."), "n": n, "case": case,
                              "ms": ms["fused"], "TB/s": nbytes / ms["fused"] / 1e9,
                              "copy TB/s": copy_bytes / ms["copy"] / 1e9})
             threshold = functional.FUSED_GRADIENT_FROM_BYTES
             functional.FUSED_GRADIENT_FROM_BYTES = 1 << 62
             try:
-                ms = bench.time_side_by_side({"fused": step(0.5), "copy": copy})
+                ms = timing.time_side_by_side({"fused": step(0.5), "copy": copy})
             finally:
                 functional.FUSED_GRADIENT_FROM_BYTES = threshold
             rows.append({"loss": name, "dtype": str(dtype).removeprefix("torch."), "n": n,
@@ -90,12 +91,12 @@ def small_rows() -> list[dict]:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for exponent in SMALL_EXPONENTS:
-            p, t = bench.seed_inputs((1 << exponent,), dtype, "cuda")
+            p, t = timing.seed_inputs((1 << exponent,), dtype, "cuda")
             p.requires_grad_(True)
             for grad_output in (1.0, 65536.0):
-                calls = {system: bench_training._step(fn, p, t, divide_by=1 / grad_output)
+                calls = {system: training._step(fn, p, t, divide_by=1 / grad_output)
                          for system, fn in (("fused", fusedloss.mse_loss), ("eager", F.mse_loss))}
-                runs = [bench_training.wall_us(calls) for _ in range(3)]
+                runs = [training.wall_us(calls) for _ in range(3)]
                 us = {system: statistics.median(run[system] for run in runs) for system in calls}
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "n": 1 << exponent,
                              "grad_output": grad_output, "fused_us": us["fused"], "eager_us": us["eager"],

@@ -5,7 +5,7 @@ autograd.Function, applied directly.
 
 A step is ``p.grad = None; loss(p, t).backward()``: at these sizes it is bound by host
 time. Each cell is the median of `--repeats` measurements, each the median of seven
-runs of back-to-back steps (``fusedloss.bench_training.wall_us``); the systems take
+runs of back-to-back steps (``fusedloss.bench.training.wall_us``); the systems take
 turns. Needs a CUDA GPU; prints a table and writes ``small_step.csv`` into ``--out``.
 
     python benchmarks/small_step.py --out results/small_step
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import fusedloss
 from fusedloss import build, ops
-from fusedloss.bench_training import _step, wall_us
+from fusedloss.bench.training import _step, wall_us
 
 
 def _python_autograd(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 import fusedloss
-from fusedloss import bench, build
+from fusedloss import build
+from fusedloss.bench import timing
 
 PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 1.0, "huber": 1.0}
 FUNCTIONS = {"mse": fusedloss.mse_loss, "l1": fusedloss.l1_loss, "smooth_l1": fusedloss.smooth_l1_loss,
@@ -23,10 +24,10 @@ FUNCTIONS = {"mse": fusedloss.mse_loss, "l1": fusedloss.l1_loss, "smooth_l1": fu
 
 def main() -> None:
     build.load()
-    copy, copy_bytes = bench.device_copy()
+    copy, copy_bytes = timing.device_copy()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; % of the copy taking turns with each")
     for dtype in (torch.float32, torch.bfloat16):
-        p, t = bench.seed_inputs((1 << 30,), dtype, "cuda")
+        p, t = timing.seed_inputs((1 << 30,), dtype, "cuda")
         p.requires_grad_(True)
         n_bytes = p.numel() * p.element_size()
         for loss, param in PARAMS.items():
@@ -43,7 +44,7 @@ def main() -> None:
                      "step": (lambda: step(1.0), 3 * n_bytes), "step x0.5": (lambda: step(0.5), 5 * n_bytes)}
             cells = []
             for name, (fn, nbytes) in cases.items():
-                ms = bench.time_side_by_side({name: fn, "copy": copy}, warmup_s=0.1)
+                ms = timing.time_side_by_side({name: fn, "copy": copy}, warmup_s=0.1)
                 copy_tbs = copy_bytes / ms["copy"] / 1e9
                 cells.append(f"{name} {ms[name]:6.3f} ms {nbytes / ms[name] / 1e9 / copy_tbs:6.1%}")
             print(f"{str(dtype):15} {loss:10} " + " | ".join(cells), flush=True)

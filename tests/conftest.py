@@ -23,7 +23,7 @@ TOLERANCE = {
     torch.bfloat16: (1.6e-2, 1e-2),
 }
 
-# name -> (fusedloss function, torch.nn.functional function, parameter keyword, loss id)
+# name -> (fusedloss function, torch.nn.functional function, parameter keyword)
 LOSSES = {
     "mse": (fusedloss.mse_loss, torch.nn.functional.mse_loss, None),
     "l1": (fusedloss.l1_loss, torch.nn.functional.l1_loss, None),

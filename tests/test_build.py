@@ -70,7 +70,7 @@ def test_no_flag_fixes_the_cpp_standard():
 
 
 def test_the_tables_of_losses_agree_across_the_language_boundary():
-    from fusedloss.functional import LOSSES
+    from fusedloss.losses import LOSSES
 
     table = (build.CSRC / "losses.cuh").read_text()
     cuda_names = re.findall(r'^\s*X\(\w+, "(\w+)", "\w*"\)', table, re.MULTILINE)

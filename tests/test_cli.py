@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import fusedloss
-from fusedloss import bench
+from fusedloss.bench import large
 
 SRC = str(Path(fusedloss.__file__).resolve().parents[1])
 
@@ -41,7 +41,7 @@ def test_a_failed_command_reports_on_stderr():
 
 
 def test_the_bench_halves_its_shape_until_it_fits(capsys):
-    assert bench.fitting_shape((32768, 32768), 80 * 2**30) == (32768, 32768)
+    assert large.fitting_shape((32768, 32768), 80 * 2**30) == (32768, 32768)
     assert capsys.readouterr().out == ""
-    assert bench.fitting_shape((32768, 32768), 10 * 2**30) == (8192, 32768)
+    assert large.fitting_shape((32768, 32768), 10 * 2**30) == (8192, 32768)
     assert "10.0 GiB of GPU memory free" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build, functional, grad_output_prediction
+from fusedloss import build, functional, grad_output_prediction, losses
 
 from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
 
@@ -97,7 +97,7 @@ def test_forward_follows_the_notes(name, forwards):
         (_loss(name, input, target, "mean") * grad_scale).backward()
         notes.append(_noted(grad_output_prediction.history_slot(name, PARAMS[name], "mean", input, target)))
         d = input.detach().double() - target.double()
-        expected = functional.LOSSES[name].gradient(d, PARAMS[name]) * grad_scale / input.numel()
+        expected = losses.LOSSES[name].gradient(d, PARAMS[name]) * grad_scale / input.numel()
         torch.testing.assert_close(input.grad.double(), expected, rtol=2e-6, atol=1e-30)
     # Each forward expects the grad_output the backward before it brought, and writes the
     # gradient unless that backward's was mispredicted.

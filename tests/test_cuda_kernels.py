@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from fusedloss import bench, build
+from fusedloss import build
+from fusedloss.bench import timing
 
 from conftest import (
     DTYPE_PAIRS,
@@ -173,10 +174,10 @@ def test_sum_over_tiles_is_exact(dtype, exponents, reduction, count):
 
 def test_accuracy_at_2_to_30_elements():
     """Relative error against float64 at 2^30 fp32 elements is at most 1e-7."""
-    p, t = bench.seed_inputs((2**15, 2**15), torch.float32, "cuda")
+    p, t = timing.seed_inputs((2**15, 2**15), torch.float32, "cuda")
     for name in LOSSES:
-        reference = bench.float64_loss(p, t, name, 1.0)
-        assert bench.relative_error(LOSSES[name][0](p, t), reference) <= 1e-7
+        reference = timing.float64_loss(p, t, name, 1.0)
+        assert timing.relative_error(LOSSES[name][0](p, t), reference) <= 1e-7
 
 
 def test_more_than_2_to_31_elements():
@@ -188,9 +189,9 @@ def test_more_than_2_to_31_elements():
     t = torch.rand(n, device="cuda", dtype=torch.bfloat16)
     p[-5:] = 7.0  # the end of the tensor must be read
     for name in ("mse", "huber"):
-        reference = bench.float64_loss(p, t, name, 1.0)
-        assert bench.relative_error(LOSSES[name][0](p, t, reduction="mean"), reference) < 8e-3
-        assert bench.relative_error(LOSSES[name][0](p, t, reduction="sum"), reference * n) < 8e-3
+        reference = timing.float64_loss(p, t, name, 1.0)
+        assert timing.relative_error(LOSSES[name][0](p, t, reduction="mean"), reference) < 8e-3
+        assert timing.relative_error(LOSSES[name][0](p, t, reduction="sum"), reference * n) < 8e-3
     tail = LOSSES["mse"][0](p, t, reduction="none")[-7:]
     assert_close_to_reference(tail, float64_reference("mse", p[-7:], t[-7:], "none"), torch.bfloat16)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build, functional, ops
+from fusedloss import build, losses, ops
 
 from conftest import heavy_tailed
 
@@ -57,7 +57,7 @@ def _python(input, target, loss, param, reduction):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
 @pytest.mark.parametrize("reduction", ("none", "mean", "sum"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("target_shape,wanted", [((37, 5), (True, True)), ((5,), (True, False)),

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 import fusedloss
-from fusedloss import build, functional
+from fusedloss import build, functional, losses
 
 from conftest import requires_cuda
 
-NAMES = tuple(functional.LOSSES)
+NAMES = tuple(losses.LOSSES)
 PARAMS = {"smooth_l1": {"beta": 1.0}, "huber": {"delta": 1.0}, "pseudo_huber": {"c": 1.0}}
 ROUTES = {"backward": 1 << 62, "forward": 0}
 _INT_VIEW = {torch.float16: (torch.int16, 0x7FFF), torch.bfloat16: (torch.int16, 0x7FFF),
@@ -98,7 +98,7 @@ def derivative64(name: str, input: torch.Tensor, target: torch.Tensor, float32_m
         if dtype == torch.float16:
             d = d.to(torch.float16).double()
         param = torch.tensor(param, dtype=dtype).item()  # beta and delta in that dtype
-    return functional.LOSSES[name].gradient(d, param)
+    return losses.LOSSES[name].gradient(d, param)
 
 
 def eager_loss(name: str, input: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:

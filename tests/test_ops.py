@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusedloss
-from fusedloss import build, formulas, functional
+from fusedloss import build, formulas, losses
 from fusedloss import ops  # noqa: F401
 
 from conftest import FLOAT_DTYPES, LOSSES, heavy_tailed, loss_kwargs, requires_cuda
@@ -44,7 +44,7 @@ def test_schemas():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.float16, torch.bfloat16), (torch.float32, torch.float64)], ids=str)
 def test_fake_kernels_give_shapes_and_dtypes(device, loss, dtypes):
@@ -72,7 +72,7 @@ def _sample_args(device, loss, dtype=torch.float32, shape=(5, 7)):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
 def test_opcheck(device, loss):
     input, target, name, param = _sample_args(device, loss)
     broadcast_target = target.detach()[0].requires_grad_()
@@ -101,7 +101,7 @@ def test_opcheck(device, loss):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
 @pytest.mark.parametrize("weight_shape", [None, (), (5, 1), (1, 7), (5, 7)], ids=str)
 def test_opcheck_weighted(device, loss, weight_shape):
     input, target, name, param = _sample_args(device, loss)
@@ -134,7 +134,7 @@ def test_opcheck_weighted(device, loss, weight_shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_gradcheck_float64(device, loss, reduction):
     # Keep |input - target| away from the kinks so finite differences are valid.
@@ -213,7 +213,7 @@ def test_a_graph_dropped_without_backward_frees_its_gradient_buffers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("loss", functional.LOSSES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_backward_without_fused_gradients_gives_their_bits(device, loss, reduction):
     """A forward that wrote no gradient (output_mask all False): backward recomputes it,

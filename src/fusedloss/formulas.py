@@ -1,5 +1,5 @@
 """The losses written with plain torch operations, from the table of losses
-(``fusedloss.functional.LOSSES``).
+(``fusedloss.losses.LOSSES``).
 
 These are the reference semantics the CUDA kernels follow. They serve as the
 operators' CPU kernels and as the differentiable gradient used when a graph of
@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import functional  # the table of losses (a module: functional imports this one's users)
+from .losses import LOSSES
 
 
 def loss_dtype(input_dtype: torch.dtype, target_dtype: torch.dtype, loss: str) -> torch.dtype:
     """PyTorch's result dtype: the promoted pair, or the input's for a loss that keeps it (Huber)."""
-    return input_dtype if functional.LOSSES[loss].keeps_input_dtype else torch.promote_types(input_dtype, target_dtype)
+    return input_dtype if LOSSES[loss].keeps_input_dtype else torch.promote_types(input_dtype, target_dtype)
 
 
 def torch_loss(input: Tensor, target: Tensor, loss: str, param: float, reduction: str) -> Tensor:
     """The loss through torch.nn.functional, broadcast first so no warning is repeated."""
     input, target = torch.broadcast_tensors(input, target)
-    return functional.LOSSES[loss].reference(input, target, reduction, param)
+    return LOSSES[loss].reference(input, target, reduction, param)
 
 
 def loss_grad(input: Tensor, target: Tensor, loss: str, param: float, times: Tensor | float = 1.0) -> Tensor:
@@ -37,4 +37,4 @@ def loss_grad(input: Tensor, target: Tensor, loss: str, param: float, times: Ten
     d = input.to(math) - target.to(math)
     if dtype == torch.float16:
         d = d.to(dtype).to(math)
-    return (functional.LOSSES[loss].gradient(d, param) * times).to(dtype)
+    return (LOSSES[loss].gradient(d, param) * times).to(dtype)

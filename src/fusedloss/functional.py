@@ -45,7 +45,6 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,53 +54,7 @@ from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
 from . import build, formulas, grad_output_prediction, ops
-
-
-@dataclass(frozen=True)
-class Loss:
-    """A row of the table of losses: PyTorch's loss and its derivative, in plain torch."""
-
-    # torch.nn.functional's loss of (input, target, reduction, beta or delta)
-    reference: Callable[[Tensor, Tensor, str, float], Tensor]
-    # d loss / d input as a function of d = input - target (and beta or delta)
-    gradient: Callable[[Tensor, float], Tensor]
-    # PyTorch returns the input's dtype, not the promoted one
-    keeps_input_dtype: bool = False
-
-
-# The Python side of the table of losses; csrc/losses.cuh holds the CUDA side,
-# under the same names. A new elementwise loss is a row in each, its public
-# function below, and its module in nn.py.
-LOSSES: dict[str, Loss] = {
-    "mse": Loss(lambda i, t, reduction, _: F.mse_loss(i, t, reduction=reduction), lambda d, _: 2 * d),
-    "l1": Loss(lambda i, t, reduction, _: F.l1_loss(i, t, reduction=reduction), lambda d, _: d.sgn()),
-    "smooth_l1": Loss(
-        lambda i, t, reduction, beta: F.smooth_l1_loss(i, t, reduction=reduction, beta=beta),
-        lambda d, beta: (d / beta).clamp(-1, 1),
-    ),
-    "huber": Loss(
-        lambda i, t, reduction, delta: F.huber_loss(i, t, reduction=reduction, delta=delta),
-        lambda d, delta: d.clamp(-delta, delta),
-        keeps_input_dtype=True,
-    ),
-    "pseudo_huber": Loss(
-        lambda i, t, reduction, c: _reduced(_pseudo_huber(i, t, c), reduction),
-        lambda d, c: 2 * c * d / torch.sqrt(d * d + c * c),
-    ),
-}
-
-
-def _pseudo_huber(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
-    """2c(sqrt(d^2 + c^2) - c) in at least float32 (as diffusers casts first), written as the
-    kernels write it: 2c d^2 / (sqrt(d^2 + c^2) + c) where |d| <= c, which keeps small d's
-    digits. Returned in the promoted dtype of the operands."""
-    d = input - target
-    x = d.to(torch.promote_types(d.dtype, torch.float32))
-    if isinstance(c, Tensor):
-        c = c.to(torch.promote_types(c.dtype, x.dtype))
-    root = torch.sqrt(x * x + c * c)
-    near = torch.where(x.abs() <= c, x * x / (root + c), root - c)
-    return (2 * c * near).to(d.dtype)
+from .losses import pseudo_huber_elementwise, reduced
 
 
 class _PseudoHuberWithTensorC(torch.autograd.Function):
@@ -138,7 +91,7 @@ class _PseudoHuberWithTensorC(torch.autograd.Function):
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph: the formula's derivatives, differentiable again
             with torch.enable_grad():
-                loss = _reduced(_pseudo_huber(input, target, c), ctx.reduction)
+                loss = reduced(pseudo_huber_elementwise(input, target, c), ctx.reduction)
             grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, c), wanted) if w], grad_output,
                                              create_graph=True))
             return tuple(next(grads) if w else None for w in wanted) + (None,)
@@ -156,16 +109,6 @@ class _PseudoHuberWithTensorC(torch.autograd.Function):
 
 def _bounded(root: Tensor) -> Tensor:
     return root.clamp(max=torch.finfo(root.dtype).max)
-
-
-def _reduced(per_element: Tensor, reduction: str) -> Tensor:
-    if reduction == "none":
-        return per_element
-    if reduction == "sum":
-        return per_element.sum()
-    if reduction == "mean":
-        return per_element.mean()
-    raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
 
 
 _reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
@@ -612,4 +555,4 @@ def _pseudo_huber_formula(input: Tensor, target: Tensor, c: float | Tensor, redu
     if (isinstance(c, Tensor) and not torch.compiler.is_compiling() and not _under_a_transform()
             and not has_torch_function_variadic(input, target, c)):
         return _PseudoHuberWithTensorC.apply(input, target, c, reduction)
-    return _reduced(_pseudo_huber(input, target, c), reduction)
+    return reduced(pseudo_huber_elementwise(input, target, c), reduction)

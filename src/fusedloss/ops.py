@@ -6,7 +6,7 @@ PyTorch's stable ABI when ``build.load()`` loads them. The schemas are defined
 here so that they, the fake kernels and the autograd exist, and can be tested,
 without a GPU. Autograd is written once, here, for every device.
 
-``loss`` names a row of ``functional.LOSSES``; ``param`` is beta for ``smooth_l1``
+``loss`` names a row of ``losses.LOSSES``; ``param`` is beta for ``smooth_l1``
 (> 0) and delta for ``huber``. Operands broadcast; gradients come back in the
 broadcast shape and autograd sums them to each operand's own shape.
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 import fusedloss
 
-from .bench import (_dtype_name, _fresh_compile, _progress, device_copy, seed_inputs, time_side_by_side,
+from .timing import (dtype_name, fresh_compile, progress, device_copy, seed_inputs, time_side_by_side,
                     turn_order)
 
 LATENCY_EXPONENTS = (7, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
@@ -172,11 +172,11 @@ def latency_table(out_dir: Path, exponents: Iterable[int] = LATENCY_EXPONENTS,
     log(f"{'N':>11} {'dtype':8} | {columns} | {columns} | {columns}")
     rows = []
     jobs = [(dtype, exponent) for dtype in dtypes for exponent in exponents]
-    for dtype, exponent in _progress(jobs, len(jobs), "latency"):
+    for dtype, exponent in progress(jobs, len(jobs), "latency"):
         n = 2**exponent
         p, t = seed_inputs((n,), dtype, "cuda")
         p.requires_grad_(True)
-        systems = {"fused": fusedloss.mse_loss, "eager": F.mse_loss, "compile": _fresh_compile(F.mse_loss)}
+        systems = {"fused": fusedloss.mse_loss, "eager": F.mse_loss, "compile": fresh_compile(F.mse_loss)}
         steps = {name: _step(fn, p, t) for name, fn in systems.items()}
         step_us = wall_us(steps)
         with torch.no_grad():
@@ -186,7 +186,7 @@ def latency_table(out_dir: Path, exponents: Iterable[int] = LATENCY_EXPONENTS,
         p.grad = None
         # The graphs go before the next size's dynamo reset can unload the kernels they launch.
         del graphs, steps, systems
-        row = {"n": n, "dtype": _dtype_name(dtype), "step_bytes": n * (2 * p.element_size() + t.element_size())}
+        row = {"n": n, "dtype": dtype_name(dtype), "step_bytes": n * (2 * p.element_size() + t.element_size())}
         for kind, times in (("step_wall_us", step_us), ("fwd_wall_us", fwd_us), ("graph_us", replay_us)):
             row.update({f"{kind}_{system}": times[system] for system in SYSTEMS})
         rows.append(row)
@@ -255,7 +255,7 @@ def _device_row(label: str, steps: dict[str, Step | None], nbytes: int | None, n
 def _loss_note(values: dict[str, Tensor]) -> str:
     """The losses' dtypes, and each one's relative difference from eager PyTorch's."""
     reference = values.get("eager")
-    dtypes = "/".join(_dtype_name(values[s].dtype) if s in values else "-" for s in SYSTEMS)
+    dtypes = "/".join(dtype_name(values[s].dtype) if s in values else "-" for s in SYSTEMS)
     same = reference is not None and all(value.dtype == reference.dtype for value in values.values())
     diffs = "/".join(f"{abs(values[s].double().item() / reference.double().item() - 1):.1e}"
                      if s in values and reference is not None else "-" for s in SYSTEMS)
@@ -276,7 +276,7 @@ def _loss_row(label: str, fused: Callable, eager: Callable, p: Tensor, t: Tensor
               wrap: Callable[[Callable], Callable] = lambda fn: fn) -> dict:
     """Device time of a step of fusedloss, eager and compiled eager on a leaf `p` and `t`."""
     p.requires_grad_(True)
-    systems = {"fused": wrap(fused), "eager": wrap(eager), "compile": _fresh_compile(wrap(eager))}
+    systems = {"fused": wrap(fused), "eager": wrap(eager), "compile": fresh_compile(wrap(eager))}
     values = {name: fn(p, t).detach() for name, fn in systems.items()}
     steps = {name: _step(fn, p, t, divide_by) for name, fn in systems.items()}
     row = _device_row(label, steps, p.numel() * (2 * p.element_size() + t.element_size()), _loss_note(values))
@@ -292,7 +292,7 @@ def amp_rows(n: int = 2**26) -> list[dict]:
     for loss, fused, eager in (("mse", fusedloss.mse_loss, F.mse_loss), ("huber", fusedloss.huber_loss, F.huber_loss)):
         for target_dtype in (torch.bfloat16, torch.float32):
             p, t = seed_inputs((n,), torch.bfloat16, "cuda")
-            label = f"{loss} autocast bf16, target {_dtype_name(target_dtype)}, 2^{n.bit_length() - 1}"
+            label = f"{loss} autocast bf16, target {dtype_name(target_dtype)}, 2^{n.bit_length() - 1}"
             rows.append(_loss_row(label, fused, eager, p, t.to(target_dtype), wrap=_autocast))
     return rows
 
@@ -323,7 +323,7 @@ def per_sample_rows(shape: tuple[int, ...] = (64, 16, 256, 256)) -> list[dict]:
             return lambda a, b: (mse(a, b, reduction="none").mean(dim=(1, 2, 3)) * w).mean()
 
         for label, written_with in (("sum(1, 2, 3).mean()", summed), ("(mean(1, 2, 3) * w).mean()", averaged)):
-            rows.append(_loss_row(f"mse none, {label}, {_dtype_name(dtype)}", written_with(fusedloss.mse_loss),
+            rows.append(_loss_row(f"mse none, {label}, {dtype_name(dtype)}", written_with(fusedloss.mse_loss),
                                   written_with(F.mse_loss), p, t))
     return rows
 

@@ -6,7 +6,7 @@ Every row is a training step (``p.grad = None; loss.backward()``; the input is a
 requires grad, the target, weight, mask and c do not) of fusedloss next to the plain PyTorch a
 user writes today, eager and under ``torch.compile`` (that loss function compiled,
 dynamic=False): median device time (CUDA events, the systems taking turns call by call after
-warm-up, as bench.time_side_by_side times the step rows). Bytes count what the fused step must
+warm-up, as timing.time_side_by_side times the step rows). Bytes count what the fused step must
 move: read input + read target + write grad_input, each in its own dtype; the weight, mask and
 c broadcast from a sample, a channel or a row and are not counted. TB/s is those bytes over
 the fused device time; %copy refers to a 2 GiB device-to-device copy timed in the same row.
@@ -30,7 +30,7 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
    (the same value): fusedloss.mse_loss(p, t, weight=mask[..., None]). Wall time too.
 3. Per-sample-weighted diffusion MSE: bfloat16 latents (B, 4, 128, 128), B = 16, 32, 64, 128
    (2^20 .. 2^23 elements), a weight per sample w (B,). These sizes are bound by the host, so
-   the row also gives host wall time per step of back-to-back steps (bench_training.wall_us,
+   the row also gives host wall time per step of back-to-back steps (training.wall_us,
    what a training loop feels); the target is fused wall <= eager's and <= compile's.
    read input + read target + write grad_input.
      user:  (F.mse_loss(p.float(), t.float(), reduction="none").mean(dim=(1, 2, 3)) * w).mean()
@@ -81,8 +81,8 @@ from torch import Tensor
 
 import fusedloss
 
-from .bench import _dtype_name, _fresh_compile, device_copy, peak_memory_gib, seed_inputs, time_side_by_side
-from .bench_training import Report, wall_us
+from .timing import dtype_name, fresh_compile, device_copy, peak_memory_gib, seed_inputs, time_side_by_side
+from .training import Report, wall_us
 
 SYSTEMS = ("fused", "eager", "compile")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -190,12 +190,12 @@ def measure(section: str, label: str, p: Tensor, t: Tensor, losses: dict[str, Lo
     loss_diffs = {name: abs(value.double().item() / reference.double().item() - 1)
                   for name, value in values.items() if reference is not None and name != "eager"}
     return {
-        "section": section, "label": label, "dtype": _dtype_name(p.dtype), "shape": tuple(p.shape), "numel": p.numel(),
+        "section": section, "label": label, "dtype": dtype_name(p.dtype), "shape": tuple(p.shape), "numel": p.numel(),
         "bytes": p.numel() * (2 * p.element_size() + t.element_size()) + extra_bytes,
         "ms": {name: ms.get(name, math.nan) for name in SYSTEMS}, "copy_tbs": copy_bytes / ms["copy"] / 1e9,
         "wall_us": {name: walls.get(name, math.nan) for name in SYSTEMS}, "wall": wall,
         "peak_gib": {name: peaks.get(name, math.nan) for name in SYSTEMS},
-        "loss_dtype": {name: _dtype_name(value.dtype) for name, value in values.items()},
+        "loss_dtype": {name: dtype_name(value.dtype) for name, value in values.items()},
         "loss_diff": loss_diffs, "grad_diff": grad_diffs, "errors": errors,
         "tolerance": 1e-2 if p.element_size() < 4 else 1e-4,
     }
@@ -216,7 +216,7 @@ def graphcast_row(dtype: torch.dtype, shape: tuple[int, ...] = GRAPHCAST_SHAPE, 
     def user(p: Tensor, t: Tensor, w: Tensor) -> Tensor:
         return (F.mse_loss(p, t, reduction="none") * w).mean()
 
-    compiled = _fresh_compile(user)
+    compiled = fresh_compile(user)
     losses = {"fused": lambda: fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel()),
               "eager": lambda: user(p, t, w), "compile": lambda: compiled(p, t, w)}
     return measure("graphcast", f"mse, w (1,C,H,1), {shape}", p, t, losses, reps=10, log=log)
@@ -235,7 +235,7 @@ def masked_row(dtype: torch.dtype, shape: tuple[int, ...] = MASKED_SHAPE, log: C
     def user(p: Tensor, t: Tensor, mask: Tensor) -> Tensor:
         return (F.mse_loss(p, t, reduction="none").mean(dim=-1) * mask).sum() / mask.sum()
 
-    compiled = _fresh_compile(user)
+    compiled = fresh_compile(user)
     if builtin_mean:
         fused, label = (lambda: fusedloss.mse_loss(p, t, weight=mask[..., None])), f"mse, weight=mask mean, {shape}"
     else:
@@ -254,7 +254,7 @@ def diffusion_row(batch: int, dtype: torch.dtype = torch.bfloat16, log: Callable
     def user(p: Tensor, t: Tensor, w: Tensor) -> Tensor:
         return (F.mse_loss(p.float(), t.float(), reduction="none").mean(dim=(1, 2, 3)) * w).mean()
 
-    compiled = _fresh_compile(user)
+    compiled = fresh_compile(user)
     losses = {"fused": lambda: fusedloss.mse_loss(p, t, weight=w.view(batch, 1, 1, 1), reduction="sum",
                                                   scale=1 / p.numel()),
               "eager": lambda: user(p, t, w), "compile": lambda: compiled(p, t, w)}
@@ -272,7 +272,7 @@ def pseudo_huber_row(dtype: torch.dtype, shape: tuple[int, ...] = PSEUDO_HUBER_S
     def user(p: Tensor, t: Tensor) -> Tensor:
         return _user_pseudo_huber(p, t, c)
 
-    compiled = _fresh_compile(user)
+    compiled = fresh_compile(user)
     losses = {"fused": lambda: fusedloss.pseudo_huber_loss(p, t, c=c),
               "eager": lambda: _user_pseudo_huber(p, t, c), "compile": lambda: compiled(p, t)}
     return measure("pseudo_huber", f"pseudo-huber c={c:g}, {shape}", p, t, losses, reps=10, log=log)
@@ -284,7 +284,7 @@ def pseudo_huber_tensor_c_row(dtype: torch.dtype = torch.bfloat16, shape: tuple[
     batch = shape[0]
     p, t = seed_inputs(shape, dtype, "cuda")
     c = (0.05 + 0.45 * torch.rand(batch, device="cuda")).view(batch, 1, 1, 1)  # kohya's per-sample c
-    compiled = _fresh_compile(_user_pseudo_huber)
+    compiled = fresh_compile(_user_pseudo_huber)
     losses = {"fused": lambda: fusedloss.pseudo_huber_loss(p, t, c=c),
               "eager": lambda: _user_pseudo_huber(p, t, c), "compile": lambda: compiled(p, t, c)}
     return measure("pseudo_huber", f"pseudo-huber c (B,1,1,1), {shape}", p, t, losses, wall=True, log=log)
@@ -300,7 +300,7 @@ def spatial_mask_row(dtype: torch.dtype = torch.bfloat16, shape: tuple[int, ...]
     def user(p: Tensor, t: Tensor, mask: Tensor) -> Tensor:
         return (F.mse_loss(p.float(), t.float(), reduction="none") * mask).mean()
 
-    compiled = _fresh_compile(user)
+    compiled = fresh_compile(user)
     losses = {"fused": lambda: fusedloss.mse_loss(p, t, weight=mask, reduction="sum", scale=1 / p.numel()),
               "eager": lambda: user(p, t, mask), "compile": lambda: compiled(p, t, mask)}
     return measure("spatial", f"mse, mask (B,1,H,W), {shape}", p, t, losses, reps=10, log=log)
@@ -328,7 +328,7 @@ def learned_weight_row(dtype: torch.dtype, shape: tuple[int, ...] = LEARNED_WEIG
         def fused() -> Tensor:
             return fusedloss.mse_loss(p, t, weight=w)
         extra, label = p.numel() * 4, f"mse, learned w of its size, {shape}"
-    compiled = _fresh_compile(user)
+    compiled = fresh_compile(user)
     losses = {"fused": fused, "eager": lambda: user(p, t, w), "compile": lambda: compiled(p, t, w)}
     return measure("learned", label, p, t, losses, reps=10, log=log, learned=w, extra_bytes=extra)
 
