@@ -123,3 +123,16 @@ def float64_reference(name: str, input, target, reduction: str, param: float = 1
 def assert_close_to_reference(actual, expected64, dtype):
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.double().cpu(), expected64.cpu(), rtol=rtol, atol=atol, equal_nan=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips as a few lines, one per reason with its count, instead of one per test location."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skipped, by reason")
+        for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
+            terminalreporter.line(f"{count:6d}  {reason}")
