@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device runs, logs under $OUT. Each part fits one 10-minute device call:
+# GPU runs, logs under $OUT. Each part fits in ten minutes:
 #   bash scripts/gpu_check.sh tests [pytest args]   first build (timed, empty cache) + the test suite
 #   bash scripts/gpu_check.sh stress                2,000 fuzz examples on the GPU + 8-process first use
 #   bash scripts/gpu_check.sh bench [bench args]    python -m fusedloss bench, GPU clocks logged alongside

@@ -1,4 +1,4 @@
-"""The pseudo-Huber loss (issue 17): 2c(sqrt(d^2 + c^2) - c) per element, d = input - target.
+"""The pseudo-Huber loss: 2c(sqrt(d^2 + c^2) - c) per element, d = input - target.
 
 Checked against that formula evaluated in float64 with torch operations (written here,
 independent of fusedloss's code): values, the gradient 2c d / sqrt(d^2 + c^2), c as a

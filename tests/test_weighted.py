@@ -1,4 +1,4 @@
-"""weight= and scale= for the five losses (issue 17), against a float64 reference written here.
+"""weight= and scale= for the five losses, against a float64 reference written here.
 
 The reference (`reference64`) uses torch operations only, in float64, and none of
 fusedloss's code. With l_e the unweighted loss of element e of S = broadcast(input,
