@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedloss
-from fusedloss import build, functional
+from fusedloss import build, routing
 from fusedloss.bench import timing, training
 
 LOSSES = {"mse": (fusedloss.mse_loss, F.mse_loss), "smooth_l1": (fusedloss.smooth_l1_loss, F.smooth_l1_loss),
@@ -71,12 +71,12 @@ def large_rows(n: int) -> list[dict]:
                 rows.append({"loss": name, "dtype": str(dtype).removeprefix("torch."), "n": n, "case": case,
                              "ms": ms["fused"], "TB/s": nbytes / ms["fused"] / 1e9,
                              "copy TB/s": copy_bytes / ms["copy"] / 1e9})
-            threshold = functional.FUSED_GRADIENT_FROM_BYTES
-            functional.FUSED_GRADIENT_FROM_BYTES = 1 << 62
+            threshold = routing.FUSED_GRADIENT_FROM_BYTES
+            routing.FUSED_GRADIENT_FROM_BYTES = 1 << 62
             try:
                 ms = timing.time_side_by_side({"fused": step(0.5), "copy": copy})
             finally:
-                functional.FUSED_GRADIENT_FROM_BYTES = threshold
+                routing.FUSED_GRADIENT_FROM_BYTES = threshold
             rows.append({"loss": name, "dtype": str(dtype).removeprefix("torch."), "n": n,
                          "case": "step, grad_output 0.5, gradient in backward only", "ms": ms["fused"],
                          "TB/s": step_bytes / ms["fused"] / 1e9, "copy TB/s": copy_bytes / ms["copy"] / 1e9})

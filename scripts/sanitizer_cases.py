@@ -20,7 +20,7 @@ import math
 import torch
 
 import fusedloss
-from fusedloss import functional
+from fusedloss import routing
 
 LOSSES = {
     "mse": (fusedloss.mse_loss, {}),
@@ -48,7 +48,7 @@ def operand(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
 
 def main() -> None:
     # The gradient written in the forward for the expected grad_output, at every size, not only from 128 MiB.
-    functional.FUSED_GRADIENT_FROM_BYTES = 0
+    routing.FUSED_GRADIENT_FROM_BYTES = 0
     cases = 0
     for (name, (fn, kwargs)), (in_dtype, tgt_dtype), reduction, offset, n in itertools.product(
         LOSSES.items(), DTYPE_PAIRS, ("none", "mean", "sum"), (0, 1), SIZES[:1]
@@ -84,7 +84,7 @@ def main() -> None:
         for reduction, fused_from in itertools.product(("mean", "sum"), (0, 1 << 62)):
             # The gradient written by the forward's pass (corrected, then predicted), then
             # recomputed in backward.
-            functional.FUSED_GRADIENT_FROM_BYTES = fused_from
+            routing.FUSED_GRADIENT_FROM_BYTES = fused_from
             for _ in range(2 if fused_from == 0 else 1):
                 (fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs) * 0.5).backward()
                 torch.cuda.synchronize()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import formulas
+from fusedloss import formulas, routing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,15 +36,15 @@ LOSSES = {
 def fused_cpu(monkeypatch):
     """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops'
     CPU reference kernels, as CUDA tensors go through them to the CUDA kernels."""
-    from fusedloss import build, functional
+    from fusedloss import build
 
     monkeypatch.setattr(build, "load", lambda *families: {})
     monkeypatch.setattr(
-        functional,
-        "_kernels_apply",
+        routing,
+        "kernels_apply",
         lambda input, target: input.device == target.device
-        and input.dtype in functional._KERNEL_DTYPES
-        and target.dtype in functional._KERNEL_DTYPES,
+        and input.dtype in routing.KERNEL_DTYPES
+        and target.dtype in routing.KERNEL_DTYPES,
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build, functional, grad_output_prediction
+from fusedloss import build, grad_output_prediction, routing
 
 from conftest import LOSSES, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda, warm_up_for_capture
 
@@ -360,7 +360,7 @@ def test_compile_has_no_graph_break():
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("captured_expectation", [0.75, 1.0], ids=["predicted", "mispredicted"])
 def test_manual_cuda_graph_capture_of_a_training_step(name, captured_expectation, monkeypatch):
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)  # the forward writes this small loss's gradient
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)  # the forward writes this small loss's gradient
     input = torch.randn(4099, device="cuda", requires_grad=True)
     target = torch.randn(4099, device="cuda")
     static_scale = torch.tensor(0.75, device="cuda")

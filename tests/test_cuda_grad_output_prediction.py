@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build, functional, grad_output_prediction, losses
+from fusedloss import build, grad_output_prediction, losses, routing
 
 from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
 
@@ -22,7 +22,7 @@ def kernels(monkeypatch):
     build.load()
     grad_output_prediction._history_table("plain")  # so that history_slot has a slot to give from the first test on
     # The forward writes the gradient from FUSED_GRADIENT_FROM_BYTES of operands on; these tests use small ones.
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)
 
 
 def _note(slot: int, grad_output: float, mispredicted: bool = False) -> None:
@@ -46,9 +46,9 @@ def _loss(name, input, target, reduction, **kwargs):
 def forwards(monkeypatch):
     """(output_mask, history_slot, expected_grad_output) of each fused forward."""
     calls = []
-    real = functional._apply
-    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through _apply
-    monkeypatch.setattr(functional, "_apply", lambda function, op, differentiable, *args: calls.append(args[5:8])
+    real = routing.apply
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through routing.apply
+    monkeypatch.setattr(routing, "apply", lambda function, op, differentiable, *args: calls.append(args[5:8])
                         or real(function, op, differentiable, *args))
     return calls
 
@@ -70,7 +70,7 @@ def test_predicted_corrected_and_recomputed_give_the_same_bits(name, reduction, 
               "after a misprediction": (0, grad_scale, True), "recomputed": (NEVER, None, False)}
     results = {}
     for route, (threshold, noted, mispredicted) in routes.items():
-        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
         x, y = input.clone().requires_grad_(), target.clone().requires_grad_()
         if noted is not None:
             _note(grad_output_prediction.history_slot(name, PARAMS[name], reduction, x, y), noted, mispredicted)

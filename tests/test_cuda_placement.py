@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from fusedloss import build, formulas
+from fusedloss import build, formulas, routing
 
 from conftest import LOSSES, assert_close_to_reference, heavy_tailed, loss_kwargs, requires_cuda
 
@@ -71,14 +71,13 @@ def test_operands_on_cuda1_are_computed_on_cuda1(name, reduction):
 def test_grad_output_prediction_on_cuda1(name, monkeypatch):
     """The notes of grad_output are host memory mapped for every device: a backward on
     cuda:1 notes there, and the next forward on cuda:1 expects it, with the same bits."""
-    from fusedloss import functional
 
     calls = []
-    real = functional._apply
-    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through _apply
-    monkeypatch.setattr(functional, "_apply", lambda function, op, differentiable, *args: calls.append(args[5:8])
+    real = routing.apply
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through routing.apply
+    monkeypatch.setattr(routing, "apply", lambda function, op, differentiable, *args: calls.append(args[5:8])
                         or real(function, op, differentiable, *args))
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)  # the forward writes this small loss's gradient
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)  # the forward writes this small loss's gradient
     input, target = heavy_tailed((1000, 37), device="cuda:1"), heavy_tailed((1000, 37), device="cuda:1")
     steps = []
     with torch.cuda.device(0):

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import cpp_extension
 
 import fusedloss
-from fusedloss import build, functional
+from fusedloss import build, routing
 
 from conftest import requires_cuda
 
@@ -173,7 +173,7 @@ def test_functional_falls_back_to_torch(simulated_gpu):
     def fused_op_called(*args):
         raise AssertionError("the fused op ran although the kernels are unavailable")
 
-    simulated_gpu.setattr(functional, "_fused_loss", fused_op_called)
+    simulated_gpu.setattr(routing, "fused_loss", fused_op_called)
     mode, x, y = _fake_cuda_operands()
     with warnings.catch_warnings(record=True) as caught, mode:
         warnings.simplefilter("always")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedloss
-from fusedloss import build, functional, losses
+from fusedloss import build, losses, routing
 
 from conftest import requires_cuda
 
@@ -37,7 +37,7 @@ _INT_VIEW = {torch.float16: (torch.int16, 0x7FFF), torch.bfloat16: (torch.int16,
 
 @pytest.fixture(params=list(ROUTES))
 def route(request, monkeypatch):
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", ROUTES[request.param])
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", ROUTES[request.param])
     return request.param
 
 

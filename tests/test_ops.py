@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusedloss
-from fusedloss import build, formulas, losses
+from fusedloss import build, formulas, losses, routing
 from fusedloss import ops  # noqa: F401
 
 from conftest import FLOAT_DTYPES, LOSSES, heavy_tailed, loss_kwargs, requires_cuda
@@ -230,17 +230,15 @@ def test_backward_without_fused_gradients_gives_their_bits(device, loss, reducti
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", LOSSES)
 def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkeypatch):
-    from fusedloss import functional
-
     calls = []
-    real = functional._apply
-    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through _apply
-    monkeypatch.setattr(functional, "_apply", lambda function, op, differentiable, *args: calls.append(args[5])
+    real = routing.apply
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through routing.apply
+    monkeypatch.setattr(routing, "apply", lambda function, op, differentiable, *args: calls.append(args[5])
                         or real(function, op, differentiable, *args))
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 0)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)
     if device == "cpu":
         monkeypatch.setattr(build, "load", lambda *families: {})
-        monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
+        monkeypatch.setattr(routing, "kernels_apply", lambda *a: True)
     x = torch.randn(8, device=device, requires_grad=True)
     y = torch.randn(8, device=device)
     with torch.no_grad():
@@ -254,28 +252,26 @@ def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkey
 def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
     """Below FUSED_GRADIENT_FROM_BYTES a step is bound by host time: no fused gradient,
     no grad_output prediction; from there on the forward writes it."""
-    from fusedloss import functional
-
     calls = []
-    real = functional._apply
-    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through _apply
-    monkeypatch.setattr(functional, "_apply", lambda function, op, differentiable, *args: calls.append((args[5], args[6]))
+    real = routing.apply
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)  # every forward through routing.apply
+    monkeypatch.setattr(routing, "apply", lambda function, op, differentiable, *args: calls.append((args[5], args[6]))
                         or real(function, op, differentiable, *args))
     if device == "cpu":
         monkeypatch.setattr(build, "load", lambda *families: {})
-        monkeypatch.setattr(functional, "_kernels_apply", lambda *a: True)
+        monkeypatch.setattr(routing, "kernels_apply", lambda *a: True)
     x = torch.randn(1000, device=device, requires_grad=True)
     fusedloss.mse_loss(x, torch.randn(1000, device=device)).backward()
     assert calls == [([False, False], -1)]
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8)
     fusedloss.mse_loss(x, torch.randn(1000, device=device)).backward()
     assert calls[1][0] == [True, False]
     # A broadcast pair counts the broadcast elements: 1000 x 8 of them here.
     x = torch.randn(1000, 1, device=device, requires_grad=True)
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8 * 8)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8 * 8)
     with pytest.warns(UserWarning):
         fusedloss.mse_loss(x, torch.randn(8, device=device)).backward()
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8 * 8 + 1)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8 * 8 + 1)
     with pytest.warns(UserWarning):
         fusedloss.mse_loss(x, torch.randn(8, device=device)).backward()
     assert [mask for mask, _ in calls[2:]] == [[True, False], [False, False]]

@@ -21,7 +21,7 @@ import torch
 
 import fusedloss
 import fusedloss.nn
-from fusedloss import build, functional
+from fusedloss import build, functional, routing
 
 from conftest import TOLERANCE, heavy_tailed, requires_cuda
 
@@ -104,11 +104,11 @@ def device(request, monkeypatch):
         return "cuda"
     if request.param == "fused-cpu":
         request.getfixturevalue("fused_cpu")
-        routed = functional._kernels_apply
+        routed = routing.kernels_apply
         # As on CUDA: under torch.compile or a torch.func transform, torch operations run.
-        monkeypatch.setattr(functional, "_kernels_apply",
+        monkeypatch.setattr(routing, "kernels_apply",
                             lambda *args: routed(*args) and not torch.compiler.is_compiling()
-                            and not functional._under_a_transform())
+                            and not routing.under_a_transform())
     return "cpu"
 
 

@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 
 import fusedloss
 import fusedloss.nn
-from fusedloss import build, formulas, functional
+from fusedloss import build, formulas, routing
 
 from conftest import LOSSES, TOLERANCE, as_seen_by_gradient, float64_reference, heavy_tailed, loss_kwargs, \
     requires_cuda, warm_up_for_capture
@@ -79,11 +79,11 @@ def device(request, monkeypatch):
         request.getfixturevalue("cuda_kernels")
         return "cuda"
     request.getfixturevalue("fused_cpu")
-    routed = functional._kernels_apply
+    routed = routing.kernels_apply
     # As on CUDA: under torch.compile, a torch.func transform or forward-mode AD, torch.nn.functional runs.
-    monkeypatch.setattr(functional, "_kernels_apply",
+    monkeypatch.setattr(routing, "kernels_apply",
                         lambda input, target, *rest: routed(input, target, *rest)
-                        and not torch.compiler.is_compiling() and not functional._under_a_transform())
+                        and not torch.compiler.is_compiling() and not routing.under_a_transform())
     return "cpu"
 
 

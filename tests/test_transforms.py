@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from fusedloss import build, functional
+from fusedloss import build, routing
 
 from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
 
@@ -28,20 +28,20 @@ def _fns(name):
 
 def test_transforms_are_recognised():
     x = torch.randn(3)
-    assert not functional._under_a_transform()
+    assert not routing.under_a_transform()
     seen = []
 
     def probe(a):
-        seen.append(functional._under_a_transform())
+        seen.append(routing.under_a_transform())
         return a.sum()
 
     torch.func.grad(probe)(x)
     torch.func.vmap(probe)(torch.randn(2, 3))
     torch.func.jvp(probe, (x,), (torch.ones(3),))
     with fwAD.dual_level():
-        seen.append(functional._under_a_transform())
+        seen.append(routing.under_a_transform())
     assert seen == [True, True, True, True]
-    assert not functional._under_a_transform()  # and nothing is left active
+    assert not routing.under_a_transform()  # and nothing is left active
 
 
 # ---- on the GPU: every loss and reduction against torch.nn.functional --------------------

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
 import fusedloss.nn
-from fusedloss import build, functional
+from fusedloss import build, routing
 
 from conftest import TOLERANCE, heavy_tailed, requires_cuda, warm_up_for_capture
 
@@ -312,11 +312,11 @@ def device(request, monkeypatch):
         return "cuda"
     if request.param == "fused-cpu":
         request.getfixturevalue("fused_cpu")
-        routed = functional._kernels_apply
+        routed = routing.kernels_apply
         # As on CUDA: under torch.compile or a torch.func transform, torch operations run.
-        monkeypatch.setattr(functional, "_kernels_apply",
+        monkeypatch.setattr(routing, "kernels_apply",
                             lambda *args: routed(*args) and not torch.compiler.is_compiling()
-                            and not functional._under_a_transform())
+                            and not routing.under_a_transform())
     return "cpu"
 
 
@@ -354,7 +354,7 @@ def test_weighted_call_runs_a_fusedloss_operator(device, name, reduction):
     """On the fused path (fused-cpu, cuda) a weighted loss whose scale needs no gradient
     runs a fusedloss:: operator, with a weight that requires grad too, so the other tests
     there test the kernels."""
-    if device == "cpu" and not functional._kernels_apply(torch.ones(1), torch.ones(1)):
+    if device == "cpu" and not routing.kernels_apply(torch.ones(1), torch.ones(1)):
         pytest.skip("fusedloss's plain CPU path: torch operations by design")
     input, target = operands(SHAPE, device)
     for requires_grad in (False, True):
@@ -822,13 +822,13 @@ def test_compiled_weighted_step(device):
 def test_gradient_in_the_forward_gives_the_same_bits(device, name, reduction, monkeypatch):
     """FUSED_GRADIENT_FROM_BYTES = 0: the forward writes the gradient even for small
     operands; huge: backward computes it. Same bits either way, for grad_output 1 and not 1."""
-    assert functional.FUSED_GRADIENT_FROM_BYTES > 0
+    assert routing.FUSED_GRADIENT_FROM_BYTES > 0
     input, target = operands((3, 4099), device)
     weight = make_weight("per-sample", device, shape=(3, 1))
     scale = torch.tensor(0.7, device=device)
     results = {}
     for threshold in (0, 1 << 62):
-        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
         for grad_output in (1.0, 0.37):
             out = weighted_loss(name, input, target, reduction, weight=weight, scale=scale)
             results[threshold, grad_output] = (out, *torch.autograd.grad(out * grad_output, (input, target)))
@@ -951,7 +951,7 @@ def test_cuda_compiled_weighted_step_matches_eager(cuda, name):
 def test_cuda_graph_replay_reads_the_new_scale(cuda, name, reduction, threshold, weight_grad, monkeypatch):
     """A captured step replays with the scale and operands it finds, the weight's own
     gradient too where the weight requires grad."""
-    monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
     for shape in ((3, 4099), (3, (1 << 20) + 3)):
         x, y = operands(shape, cuda)
         weight = make_weight("positive", cuda, shape=(3, 1), requires_grad=weight_grad)
@@ -1046,12 +1046,12 @@ def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monke
     shape = (8, 4, 1 << 20)
     x, y = operands(shape, cuda)
     assert x.numel() >= 1 << 25
-    assert x.numel() * (x.element_size() + y.element_size()) >= functional.FUSED_GRADIENT_FROM_BYTES
+    assert x.numel() * (x.element_size() + y.element_size()) >= routing.FUSED_GRADIENT_FROM_BYTES
     weight = make_weight("positive", cuda, shape=(1, 4, 1))
     scale = torch.tensor(0.25, device=cuda)
     results = []
-    for threshold in (functional.FUSED_GRADIENT_FROM_BYTES, 1 << 62):
-        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+    for threshold in (routing.FUSED_GRADIENT_FROM_BYTES, 1 << 62):
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
         out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
         results.append((out, *torch.autograd.grad(out, (x, y))))
     for a, b in zip(*results):
@@ -1076,13 +1076,13 @@ def test_cuda_weight_gradient_written_by_the_forward(cuda, name, reduction, weig
     shape = (8, 4, 1 << 20)
     x, y = operands(shape, cuda, dtype)
     y.requires_grad_(False)
-    assert x.numel() * (x.element_size() + y.element_size()) >= functional.FUSED_GRADIENT_FROM_BYTES
+    assert x.numel() * (x.element_size() + y.element_size()) >= routing.FUSED_GRADIENT_FROM_BYTES
     weight = make_weight("positive", cuda, requires_grad=True, shape=weight_shape)
     scale = torch.tensor(0.25, device=cuda)
     for times in (1.0, 0.37):
         results = []
-        for threshold in (functional.FUSED_GRADIENT_FROM_BYTES, 1 << 62):
-            monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        for threshold in (routing.FUSED_GRADIENT_FROM_BYTES, 1 << 62):
+            monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
             out = weighted_loss(name, x, y, reduction, weight=weight, scale=scale)
             results.append((out, *torch.autograd.grad(out * times, (x, weight))))
         for a, b, what in zip(*results, ("loss", "grad input", "grad weight")):
@@ -1156,7 +1156,7 @@ def test_cuda_weight_read_in_place_has_the_expanded_weights_bits(cuda, name, lay
     weight = make_weight("positive", cuda, torch.float64 if dtypes[0] == torch.float64 else torch.float32,
                          shape=weight_shape)
     for threshold in (0, 1 << 62):
-        monkeypatch.setattr(functional, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
         results = []
         for w in (weight, weight.expand(shape).contiguous()):
             out = weighted_loss(name, x, y, "sum", weight=w, scale=0.5)

@@ -1,6 +1,6 @@
 """The grad_output that a large loss's backward will bring, predicted from the last one.
 
-From ``functional.FUSED_GRADIENT_FROM_BYTES`` of operands on, the forward pass writes
+From ``routing.FUSED_GRADIENT_FROM_BYTES`` of operands on, the forward pass writes
 the gradient (read input + read target + write grad), and backward hands that buffer
 on. Each gradient must be rounded into its dtype once, after every factor: grad_output
 included, since a gradient rounded first and multiplied after loses the digits that

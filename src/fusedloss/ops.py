@@ -41,7 +41,7 @@ broadcast shape and autograd sums them to each operand's own shape.
   of ``output_mask``) is written per element of the loss, ``host_scale * scale
   / divisor * loss_e``, and only beside input's or target's; autograd sums it to
   the weight's shape, and gives the divisor ``-out / divisor``. ``scale`` takes
-  no gradient (``functional`` computes that case with torch operations).
+  no gradient (``weighted`` computes that case with torch operations).
 - ``weighted_loss_gradients``: weighted_loss's gradients as a composite of
   torch operations, for ``create_graph=True`` and for a weight's gradient
   wanted alone.
@@ -535,7 +535,7 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     """The weighted reductions: the reduced losses' plan with a weight, whose gradient per
     element (scale times the element's loss) the kernels write beside the operands', and a
     divisor, d out / d divisor = -out / divisor. A scale takes no gradient here
-    (``functional`` computes that case with torch operations). create_graph=True, and a
+    (``weighted`` computes that case with torch operations). create_graph=True, and a
     weight's gradient wanted alone, go through the formulas."""
     if ctx.needs_input_grad[3]:
         raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
@@ -570,7 +570,7 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
 # The autograd of each differentiable operator, written once (setup_context and backward
 # above) as an autograd.Function that enters the operator below autograd. The operator's
 # own autograd kernel applies it, for whoever calls the operator (CPU, tracing,
-# torch.ops); fusedloss.functional applies it directly. Its forward takes ctx and calls
+# torch.ops); fusedloss.routing applies it directly. Its forward takes ctx and calls
 # setup_context itself: a Function with a separate setup_context binds its arguments to
 # forward's signature on every call, which a small training step feels, and so does
 # torch.library.register_autograd's bookkeeping.

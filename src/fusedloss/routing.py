@@ -1,0 +1,124 @@
+"""Where a loss call goes: fusedloss's kernels, through the operator with its autograd
+(or the C++ autograd of a small step), or torch.nn.functional; and the unweighted fused
+path, in torch.nn.functional's order of steps."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+from torch.autograd import forward_ad
+from torch.nn import _reduction
+from torch.overrides import has_torch_function_variadic
+
+from . import build, grad_output_prediction, ops
+
+
+_reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
+_pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
+
+
+def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Tensor | None, ...], *args):
+    """The operator with its autograd (ops.py) where a `differentiable` operand wants a
+    gradient, else straight to its kernel."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+        return function.apply(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+_REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
+MODES = ("mean", "sum", "none")
+_NO_GRADIENTS = [False, False]
+# From operands of this many bytes on (both together), a mean or sum writes its
+# gradient in the forward pass, for the grad_output it expects (grad_output_prediction).
+# Below, a step is bound by host time, not memory: backward computes the gradient
+# from the operands, in as many launches and with no bookkeeping (docs/design.md,
+# "Gradients in the forward pass").
+FUSED_GRADIENT_FROM_BYTES = 1 << 28
+
+
+def forward_writes_gradients(input: Tensor, target: Tensor, numel: int) -> bool:
+    # A pair with one float64 operand is computed in float64 and its gradients converted:
+    # the converted buffer is not the one backward could correct in place.
+    return (numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES
+            and (input.dtype == torch.float64) == (target.dtype == torch.float64))
+
+
+def kernels_apply(input: Tensor, target: Tensor) -> bool:
+    return (
+        # torch.compile traces torch.nn.functional instead, which inductor can fuse
+        # with the ops around the loss (docs/design.md, "torch.compile").
+        not torch.compiler.is_compiling()
+        and isinstance(input, Tensor)
+        and isinstance(target, Tensor)
+        and not has_torch_function_variadic(input, target)
+        and input.is_cuda
+        and input.dtype in KERNEL_DTYPES
+        and target.dtype in KERNEL_DTYPES
+        and target.get_device() == input.get_device()
+        and not under_a_transform()
+        and build.use_kernels()
+    )
+
+
+def under_a_transform() -> bool:
+    """torch.func transforms (grad, vmap, jvp, jacrev, ...) and forward-mode AD: the fused
+    operators have no rules for them, so such calls run PyTorch's formula, which has."""
+    return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+
+
+def warn_if_target_broadcasts(input: Tensor, target: Tensor, stacklevel: int) -> None:
+    """torch.nn.functional's warning, pointed at the user's call `stacklevel` frames up."""
+    if target.shape != input.shape:
+        warnings.warn(
+            f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
+            "This will likely lead to incorrect results due to broadcasting. "
+            "Please ensure they have the same size.",
+            stacklevel=stacklevel,
+        )
+
+
+def under_autocast(input: Tensor, target: Tensor, device_type: str = "cuda") -> bool:
+    """Autocast runs these losses in float32 (they are on its float32 list) when an operand is 16-bit."""
+    return (input.dtype in SIXTEEN_BIT or target.dtype in SIXTEEN_BIT) and torch.is_autocast_enabled(device_type)
+
+
+def fused_loss(
+    loss: str,
+    param: float,
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None,
+    reduce: bool | None,
+    reduction: str,
+) -> Tensor:
+    """The steps of torch.nn.functional's losses, in its order, then one fused op.
+    Every call of a small loss pays for this function's work, so it compares shapes once."""
+    same_shape = target.shape == input.shape
+    if not same_shape:
+        warn_if_target_broadcasts(input, target, stacklevel=4)
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    mode = reduction if reduction in MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
+    if loss == "smooth_l1" and param == 0.0:
+        loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
+    autocast = under_autocast(input, target)
+    wants_gradients = (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
+    if mode == "none":
+        if wants_gradients and build.cxx_autograd_loaded():
+            return torch.ops.fusedloss_cxx.pointwise_loss.default(input, target, loss, param, autocast)
+        return apply(ops.PointwiseLoss, _pointwise_loss_op, (input, target), input, target, loss, param, autocast)
+    output_mask, slot, expected = _NO_GRADIENTS, -1, 1.0
+    if wants_gradients:
+        numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
+        if forward_writes_gradients(input, target, numel):
+            slot, expected, mispredicted = grad_output_prediction.predict(loss, param, mode, input, target)
+            if not mispredicted:
+                output_mask = [input.requires_grad, target.requires_grad]
+        elif build.cxx_autograd_loaded():  # a step bound by host time: no Python in its backward
+            return torch.ops.fusedloss_cxx.reduced_loss.default(input, target, loss, param, mode, autocast)
+    return apply(ops.ReducedLoss, _reduced_loss_op, (input, target), input, target, loss, param, mode, output_mask,
+                  slot, expected, autocast)[0]

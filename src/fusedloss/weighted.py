@@ -1,0 +1,195 @@
+"""A loss given weight= or scale=: one fused pass where the weighted kernels apply, else
+torch operations around the unweighted loss (``functional``'s docstring has the rules)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import _reduction
+from torch.overrides import has_torch_function_variadic
+
+from . import build, formulas, grad_output_prediction, ops, routing
+
+_weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
+_NO_WEIGHTED_GRADIENTS = [False, False, False]
+
+
+def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
+    """Raises unless the weight broadcasts to the loss's shape without widening it."""
+    fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
+    if not fits:
+        raise ValueError(f"fusedloss: a weight of shape {tuple(weight.shape)} does not broadcast to the loss's "
+                         f"shape {tuple(shape)}")
+
+
+def _check_scale(scale: float | Tensor | None) -> None:
+    if isinstance(scale, Tensor):
+        if scale.is_complex():
+            raise TypeError(f"fusedloss: scale must be a real number or a real 0-d tensor, not a {scale.dtype} tensor")
+        if scale.dim() != 0:
+            raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape "
+                             f"{tuple(scale.shape)}")
+    elif scale is not None and not isinstance(scale, numbers.Real):
+        raise TypeError(f"fusedloss: scale must be a real number or a 0-d tensor, not {type(scale).__name__}")
+
+
+def _needs_grad(t: Tensor | float | None) -> bool:
+    return isinstance(t, Tensor) and t.requires_grad and torch.is_grad_enabled()
+
+
+def _fused_weighted_applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None,
+                            loss_dtype: torch.dtype) -> bool:
+    """The weighted kernels take no gradient for a scale tensor, and read a weight of any
+    real dtype but float64 with narrower operands (they hold it in float32)."""
+    weight_fits = weight is None or (
+        isinstance(weight, Tensor)
+        and not has_torch_function_variadic(weight)
+        and weight.device == input.device
+        and not weight.is_complex()
+        and (weight.dtype != torch.float64 or loss_dtype == torch.float64)
+    )
+    scale_fits = not isinstance(scale, Tensor) or (
+        not has_torch_function_variadic(scale)
+        and (scale.device == input.device or scale.device.type == "cpu")
+        and not scale.is_complex()
+        and not _needs_grad(scale)
+    )
+    return weight_fits and scale_fits and build.use_kernels("weighted")
+
+
+def weighted_loss(
+    loss: str,
+    param: float,
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None,
+    reduce: bool | None,
+    reduction: str,
+    weight: Tensor | None,
+    scale: float | Tensor | None,
+    unweighted: Callable[[Tensor, Tensor, str], Tensor],
+    torch_weighted: Callable[..., Tensor] | None = None,
+    fusable: bool = True,
+) -> Tensor:
+    """A loss given weight= or scale= (see the public functions): one fused pass where the
+    kernels routing.apply, else torch operations around `unweighted` (the loss with reduction='none').
+    `torch_weighted` is torch.nn.functional's own weighted loss, where PyTorch has one."""
+    _check_scale(scale)
+    # PyTorch's own weighted loss (a weight of the input's size): its values, errors and
+    # mean, whose denominator sums the weight as given, also where the target broadcasts it.
+    pytorch_case = (torch_weighted is not None and isinstance(weight, Tensor) and weight.size() == input.size())
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    shape = input.shape if target.shape == input.shape else torch.broadcast_shapes(input.shape, target.shape)
+    if weight is not None:
+        _weight_broadcasts(weight, shape)
+    if reduction not in routing.MODES:
+        raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
+    if fusable and reduction != "none" and routing.kernels_apply(input, target):
+        autocast = routing.under_autocast(input, target)
+        loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
+        if _fused_weighted_applies(input, target, weight, scale, loss_dtype):
+            return _fused_weighted_loss(loss, param, input, target, shape, reduction, weight, scale, autocast,
+                                        loss_dtype, pytorch_case)
+    if pytorch_case:
+        out = torch_weighted(input, target, reduction, param, weight)
+    else:
+        out = unweighted(input, target, "none")
+        if weight is not None:
+            if weight.is_floating_point():
+                out = out.to(torch.promote_types(out.dtype, weight.dtype))  # a 0-d weight too
+            out = out * weight
+        if reduction == "sum":
+            out = out.sum()
+        elif reduction == "mean":
+            out = out.mean() if weight is None or loss == "huber" else out.sum() / _expanded_sum(weight, shape, out)
+    if scale is None:
+        return out
+    return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
+
+
+def _expanded_sum(weight: Tensor, shape: torch.Size, like: Tensor) -> Tensor:
+    """The sum of the weight expanded to `shape`, without expanding it, in `like`'s dtype."""
+    multiplicity = shape.numel() // weight.numel() if weight.numel() else 0
+    return (_weight_sum(weight, like.dtype) * multiplicity).to(like.dtype)
+
+
+def _weight_sum(weight: Tensor, loss_dtype: torch.dtype) -> Tensor:
+    """A weighted mean's divisor, the weight's sum as it lies: below a float64 loss, in
+    float32 as PyTorch sums it, which reads a 16- or 32-bit weight where it lies (a float64
+    sum would copy it first); a mask of integers is counted exactly."""
+    in_float32 = weight.is_floating_point() and loss_dtype != torch.float64
+    return weight.sum(dtype=torch.float32 if in_float32 else torch.float64)
+
+
+def _fused_weighted_loss(
+    loss: str,
+    param: float,
+    input: Tensor,
+    target: Tensor,
+    shape: torch.Size,
+    reduction: str,
+    weight: Tensor | None,
+    scale: float | Tensor | None,
+    autocast: bool,
+    loss_dtype: torch.dtype,
+    pytorch_case: bool,
+) -> Tensor:
+    routing.warn_if_target_broadcasts(input, target, stacklevel=5)
+    numel = shape.numel()
+    # A weight that widens the loss's dtype (bf16 operands, a float32 weight) makes it
+    # float32: the autocast kernels' math, which reads 16-bit operands as float32.
+    result_dtype = loss_dtype
+    if weight is not None and weight.is_floating_point():
+        result_dtype = torch.promote_types(loss_dtype, weight.dtype)
+    float32_math = autocast or (result_dtype == torch.float32 and loss_dtype in routing.SIXTEEN_BIT)
+    device_scale, divisor, host_scale = None, None, 1.0
+    if isinstance(scale, Tensor) and scale.device == input.device:
+        device_scale = scale
+    elif scale is not None:
+        host_scale = float(scale)  # a number, or a CPU tensor: no device to wait for
+    if reduction == "mean":
+        if numel == 0:
+            host_scale = math.nan  # 0 / 0, as PyTorch's mean of nothing
+        elif weight is None or loss == "huber":
+            host_scale /= numel
+        else:
+            # The sum of the weight expanded to the loss's shape, without expanding it
+            # (as given, in PyTorch's own case).
+            divisor = _weight_sum(weight, result_dtype)
+            if not pytorch_case:
+                host_scale /= numel // weight.numel()
+    output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
+    if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
+        if routing.forward_writes_gradients(input, target, numel):
+            slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target,
+                                                                          weight, family="weighted")
+            if not mispredicted:
+                output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
+    return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight, device_scale, divisor, host_scale, loss,
+                  param, output_mask,
+                             slot, expected, float32_math)[0]
+
+
+def _torch_weighted(name: str) -> Callable[..., Tensor] | None:
+    """torch.nn.functional's own weighted loss (torch >= 2.6), as (input, target, reduction, param, weight)."""
+    function = getattr(F, name)
+    if "weight" not in inspect.signature(function).parameters:
+        return None
+    if name == "huber_loss":
+        return lambda i, t, reduction, delta, w: F.huber_loss(i, t, reduction=reduction, delta=delta, weight=w)
+    return lambda i, t, reduction, _, w: function(i, t, reduction=reduction, weight=w)
+
+
+TORCH_WEIGHTED = {
+    loss: function
+    for loss, function in (("mse", _torch_weighted("mse_loss")), ("l1", _torch_weighted("l1_loss")),
+                           ("huber", _torch_weighted("huber_loss")))
+    if function is not None
+}
