@@ -28,6 +28,8 @@ def _build(arch: str | None, force: bool, families: list[str]) -> int:
     wanted = [op for family in libraries for op in build.FAMILIES[family].ops]
     missing = sorted(set(wanted) - set(registered))
     print(f"CUDA kernels registered: {', '.join(f'fusedloss::{op}' for op in registered) or 'none'}")
+    if "plain" in libraries:
+        print(f"C++ autograd: {'loaded' if build.cxx_autograd_loaded() else 'not loaded (the Python autograd serves)'}")
     if missing:
         print(f"fusedloss build failed: no CUDA kernel registered for {', '.join(missing)}", file=sys.stderr)
         return 1
