@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs, logs under $OUT. Each part fits in ten minutes:
 #   bash scripts/gpu_check.sh tests [pytest args]   first build (timed, empty cache) + the test suite
+#                                                   (e.g. -n 8 -x), then the KernelBench tests alone
 #   bash scripts/gpu_check.sh stress                2,000 fuzz examples on the GPU + 8-process first use
 #   bash scripts/gpu_check.sh bench [bench args]    python -m fusedloss bench, GPU clocks logged alongside
 set -uo pipefail
@@ -23,7 +24,10 @@ from fusedloss import build; build.load(); print(f'cached load {time.perf_counte
       python3 scripts/failed_build_fallback.py
     } 2>&1 | tee "$OUT/build.log"
     cp "$TORCH_EXTENSIONS_DIR"/fusedloss_*/.ninja_log "$OUT/ninja_log.txt"  # per-file compile times
-    python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" | tail -60
+    # The KernelBench evaluations hold several 4 GiB tensors each: alone, after the rest.
+    python3 -m pytest -q -p no:cacheprovider --ignore=tests/test_kernelbench.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -60
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernelbench.py 2>&1 | tee "$OUT/kernelbench_tests.log" | tail -20
+    grep -hE "^(FAILED|ERROR)" "$OUT/tests.log" "$OUT/kernelbench_tests.log" > "$OUT/failures.txt" || true
     ;;
   stress)
     python3 scripts/concurrent_first_use.py --processes 8 2>&1 | tee "$OUT/concurrent_first_use.log"
