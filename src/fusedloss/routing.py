@@ -14,7 +14,6 @@ from torch.overrides import has_torch_function_variadic
 
 from . import build, grad_output_prediction, ops
 
-
 _reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
 _pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
 
@@ -26,6 +25,7 @@ def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Ten
         return function.apply(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
+
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
