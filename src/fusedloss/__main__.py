@@ -42,16 +42,15 @@ def _info() -> int:
     from . import __version__, build
 
     print(f"fusedloss {__version__}; torch {torch.__version__}, CUDA {torch.version.cuda or 'none (a CPU build)'}")
+    archs = build.arch_list()
     if not torch.cuda.is_available():
         print("GPU: none visible; CUDA tensors cannot run here, and CPU tensors run torch.nn.functional")
-        archs = build.arch_list()
         capabilities = [build._capability(a) for a in archs]
     else:
         capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         print(f"GPU: {', '.join(names)}, compute capability "
               f"{', '.join(sorted({f'{major}.{minor}' for major, minor in capabilities}))}")
-        archs = build.arch_list()
     for family in build.FAMILIES:
         print(f"{family} kernels: {build.kernel_source(family, archs, capabilities)}")
     library = build.cxx_autograd_library()

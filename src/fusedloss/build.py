@@ -634,7 +634,7 @@ _cxx_autograd_loaded = False
 
 
 def cxx_autograd_loaded() -> bool:
-    """Whether the C++ autograd of the small-step paths serves this process (``functional``)."""
+    """Whether the C++ autograd of the small-step paths serves this process (``routing``)."""
     return _cxx_autograd_loaded
 
 
