@@ -1,7 +1,8 @@
 // The KernelBench files' operator: fusedloss's mean or sum reduction (launch.h)
 // behind PyTorch's classic C++ API, which the files' floor, PyTorch 2.2, has. The
 // fusedloss package registers its operators on the stable ABI instead
-// (src/fusedloss/csrc/glue.h), which PyTorch 2.2 lacks.
+// (src/fusedloss/csrc/glue.h), which PyTorch 2.2 lacks. Each file compiles it with
+// one loss and float32 alone (specialize.py), the only ones it then accepts.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,36 +24,25 @@ LossKind parse_loss(c10::string_view name) {
   TORCH_CHECK(false, "unknown loss '", name, "'");
 }
 
-DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kDouble: return DType::kFloat64;
-    default: TORCH_CHECK(false, "unsupported dtype ", t);
-  }
-}
-
 // Contiguous and 16-byte aligned, as the kernels read it.
 at::Tensor as_kernel_layout(const at::Tensor& t) {
   const at::Tensor out = t.contiguous();
   return reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 ? out : out.clone();
 }
 
-// The loss of two CUDA operands of one shape and dtype, reduced to a 0-d tensor of that dtype.
+// The loss of two float32 CUDA operands of one shape, reduced to a 0-d float32 tensor.
 at::Tensor reduced_loss(const at::Tensor& input_as_given, const at::Tensor& target_as_given, c10::string_view loss,
                         double param, c10::string_view reduction) {
   TORCH_CHECK(input_as_given.is_cuda() && input_as_given.device() == target_as_given.device() &&
                   input_as_given.sizes() == target_as_given.sizes() &&
-                  input_as_given.scalar_type() == target_as_given.scalar_type(),
-              "reduced_loss takes two CUDA tensors of one shape and dtype on one device");
+                  input_as_given.scalar_type() == at::kFloat && target_as_given.scalar_type() == at::kFloat,
+              "reduced_loss takes two float32 CUDA tensors of one shape on one device");
   TORCH_CHECK(reduction == "mean" || reduction == "sum", "reduction must be 'mean' or 'sum'");
   const c10::cuda::CUDAGuard guard(input_as_given.device());
   const at::Tensor input = as_kernel_layout(input_as_given);
   const at::Tensor target = as_kernel_layout(target_as_given);
-  const DType dtype = to_dtype(input.scalar_type());
-  const LossProblem problem{parse_loss(loss), param, input.data_ptr(), dtype, target.data_ptr(), dtype,
-                            input.numel(), false};
+  const LossProblem problem{parse_loss(loss), param, input.data_ptr(), DType::kFloat32, target.data_ptr(),
+                            DType::kFloat32, input.numel(), false};
   at::Tensor out = at::empty({}, input.options());
   const int64_t scratch_bytes = reduced_loss_scratch_bytes(problem, false);
   const at::Tensor scratch =

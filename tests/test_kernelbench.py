@@ -9,6 +9,7 @@ KernelBench's size only where a GPU is visible.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,10 +20,10 @@ import torch
 
 from kernelbench import evaluate as kernelbench
 from kernelbench import export as exporter
+from kernelbench import specialize
 from kernelbench.__main__ import main as kernelbench_main
 from kernelbench.evaluate import evaluate, static_check
 from kernelbench.export import PROBLEMS
-
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,15 +68,51 @@ def test_generated_file_passes_static_check(name: str) -> None:
 def test_generated_file_embeds_the_sources_and_keeps_the_problem(problem: exporter.Problem) -> None:
     generated = kernelbench.load_module(GENERATED / f"{problem.name}.py")
     reference = kernelbench.load_module(REFERENCE / f"{problem.name}.py")
-    assert generated.CPP_SOURCE == exporter.read_source(exporter.OPERATOR.name, path=exporter.OPERATOR)
-    assert generated.CUDA_SOURCE == exporter.cuda_source()
-    assert generated.NAMESPACE == exporter.NAMESPACE != "fusedloss"
+    assert generated.CPP_SOURCE == exporter.cpp_source(problem)
+    assert generated.CUDA_SOURCE == exporter.cuda_source(problem)
+    assert generated.NAMESPACE == problem.namespace != "fusedloss"
     assert str(getattr(torch.ops, generated.NAMESPACE).reduced_loss.default._schema).endswith(exporter.SCHEMA)
     assert f'"{problem.loss}", {problem.param!r}, "mean"' in (GENERATED / f"{problem.name}.py").read_text()
     for name in ("batch_size", "input_shape", "dim"):
         assert getattr(generated, name) == getattr(reference, name)
     assert generated.get_init_inputs() == reference.get_init_inputs() == []
     assert exporter.PROBLEM_INPUTS in (REFERENCE / f"{problem.name}.py").read_text()
+
+
+# As CUDA, ATen and Python spell them; `half` where it names a type (exact_sum.cuh's rounding has
+# a variable `half`).
+SIXTEEN_BIT_NAMES = re.compile(
+    r"\b(__half|nv_bfloat16|__nv_bfloat16|bfloat16|float16|kHalf|kBFloat16|Half|BFloat16|half2)\b"
+    r"|at::Half|\bhalf\b(?=\s*[\w>)*{(,])|static_cast\s*<\s*half|float2half|cuda_fp16|cuda_bf16"
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_generated_file_names_no_16_bit_dtype(name: str) -> None:
+    # The problems are float32: KernelBench's checker warns of a precision downgrade where a
+    # file names a 16-bit type.
+    lines = (GENERATED / f"{name}.py").read_text().splitlines()
+    assert [line.strip() for line in lines if SIXTEEN_BIT_NAMES.search(line)] == []
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=NAMES)
+def test_generated_file_holds_its_problem_alone(problem: exporter.Problem) -> None:
+    # The forward mean of one loss on float32 operands: no other loss or dtype, no backward,
+    # pointwise or weighted kernel.
+    generated = kernelbench.load_module(GENERATED / f"{problem.name}.py")
+    sources = generated.CPP_SOURCE + generated.CUDA_SOURCE
+    assert set(re.findall(r"\bstruct (\w+Loss)\b", sources)) == {"MseLoss" if problem.loss == "mse" else "SmoothL1Loss"}
+    assert "enum class DType : int { kFloat32 };" in generated.CUDA_SOURCE
+    for absent in ("_backward", "weighted_", "Pointwise", "kFloat64"):
+        assert absent not in sources, absent
+
+
+def test_specializer_fails_where_it_cannot_specialize() -> None:
+    with pytest.raises(ValueError, match="FUSEDLOSS_UNKNOWN"):
+        specialize.resolve_conditionals("#ifdef FUSEDLOSS_UNKNOWN\nint x;\n#endif\n", specialize.MACROS)
+    sixteen_bit_left = [("x.cu", "float f(float x) { return __half2float(__float2half(x)); }\n")]
+    with pytest.raises(ValueError, match="other than float32"):
+        specialize.translation_unit(sixteen_bit_left, cuda=True, loss="mse", roots={"f"})
 
 
 _IMPORT_MODEL_NEW = """
@@ -94,18 +131,19 @@ def _python(script: str, with_fusedloss: bool) -> subprocess.CompletedProcess:
 
 
 def test_generated_files_define_the_schemas_without_fusedloss() -> None:
-    # A fresh interpreter with only torch, as under KernelBench: importing both
-    # files must define the operators once and import nothing of fusedloss.
-    script = _IMPORT_MODEL_NEW.format(names=NAMES, generated=str(GENERATED)) + textwrap.dedent(
+    # A fresh interpreter with only torch, as under KernelBench: importing the files, each
+    # twice, must define each file's operator once and import nothing of fusedloss.
+    script = _IMPORT_MODEL_NEW.format(names=NAMES * 2, generated=str(GENERATED)) + textwrap.dedent(
         f"""
         import sys, torch
         assert not any(module.startswith("fusedloss") for module in sys.modules), "imported fusedloss"
-        print(torch.ops.{exporter.NAMESPACE}.reduced_loss.default._schema)
+        for namespace in {[problem.namespace for problem in PROBLEMS]!r}:
+            print(getattr(torch.ops, namespace).reduced_loss.default._schema)
         """
     )
     done = _python(script, with_fusedloss=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{exporter.NAMESPACE}::reduced_loss" + exporter.SCHEMA
+    assert done.stdout.splitlines() == [f"{problem.namespace}::reduced_loss" + exporter.SCHEMA for problem in PROBLEMS]
 
 
 @pytest.mark.parametrize("fusedloss_first", [True, False])
@@ -115,12 +153,14 @@ def test_generated_files_and_fusedloss_import_in_either_order(fusedloss_first: b
     check = textwrap.dedent(
         f"""
         import torch
-        print(torch.ops.fusedloss.reduced_loss.default._schema.name, torch.ops.{exporter.NAMESPACE}.reduced_loss.default._schema.name)
+        for namespace in ("fusedloss", *{[problem.namespace for problem in PROBLEMS]!r}):
+            print(getattr(torch.ops, namespace).reduced_loss.default._schema.name)
         """
     )
     done = _python((package + model_new if fusedloss_first else model_new + package) + check, with_fusedloss=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["fusedloss::reduced_loss", f"{exporter.NAMESPACE}::reduced_loss"]
+    expected = ["fusedloss::reduced_loss"] + [f"{problem.namespace}::reduced_loss" for problem in PROBLEMS]
+    assert done.stdout.split() == expected
 
 
 # ---- the static checker ----------------------------------------------------------------
