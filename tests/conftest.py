@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import formulas, routing
+from fusedloss import formulas, functional, losses, routing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -23,13 +23,28 @@ TOLERANCE = {
     torch.bfloat16: (1.6e-2, 1e-2),
 }
 
-# name -> (fusedloss function, torch.nn.functional function, parameter keyword)
-LOSSES = {
-    "mse": (fusedloss.mse_loss, torch.nn.functional.mse_loss, None),
-    "l1": (fusedloss.l1_loss, torch.nn.functional.l1_loss, None),
-    "smooth_l1": (fusedloss.smooth_l1_loss, torch.nn.functional.smooth_l1_loss, "beta"),
-    "huber": (fusedloss.huber_loss, torch.nn.functional.huber_loss, "delta"),
-}
+
+
+def _reference(row: losses.Loss):
+    """PyTorch's function for the loss, or for fusedloss's own losses the formula as the
+    unfused route computes it (the dtype autocast would give, PyTorch's reduction errors)."""
+    if row.torch_function is not None:
+        return row.torch_function
+
+    def reference(input, target, reduction="mean", **kwargs):
+        param = kwargs.pop(row.param, row.param_default) if row.param else 0.0
+        assert not kwargs, kwargs
+        return functional._unfused(row, input, target, None, None, reduction, param)
+
+    return reference
+
+
+# name -> (fusedloss function, PyTorch's function or the formula, parameter keyword), from the table of losses
+LOSSES = {name: (getattr(fusedloss, row.function), _reference(row), row.param) for name, row in losses.LOSSES.items()}
+# the losses PyTorch has: for PyTorch's own arguments (size_average, reduce), samples and errors
+TORCH_LOSSES = [name for name, row in losses.LOSSES.items() if row.pytorch]
+# a value of each loss's number that takes every branch on heavy-tailed values (0 where it has none)
+PARAMS = {name: 0.75 * row.param_default if row.param else 0.0 for name, row in losses.LOSSES.items()}
 
 
 @pytest.fixture
@@ -94,28 +109,31 @@ def loss_kwargs(name: str, param: float) -> dict:
 
 
 def as_computed(name: str, input, target):
-    """The target as PyTorch's kernels use it: on CUDA, Huber converts it to the input's
-    dtype (its CPU kernel computes in the promoted dtype)."""
-    return target.to(input.dtype) if name == "huber" and input.is_cuda else target
+    """The target as PyTorch's kernels use it: on CUDA, a loss that keeps the input's dtype
+    (Huber) converts the target to it (its CPU kernel computes in the promoted dtype)."""
+    return target.to(input.dtype) if losses.LOSSES[name].keeps_input_dtype and input.is_cuda else target
 
 
 def as_seen_by_gradient(name: str, input, target, of_input: bool):
     """(input, target) as PyTorch's CUDA kernels see them when they compute the gradient
     of the input (`of_input`) or of the target. Smooth L1's backward converts the other
     operand to that gradient's dtype. The others are differentiated as computed: Huber in
-    the input's dtype, MSE and L1 in the promoted one (PyTorch's MSE and Huber backward
+    the input's dtype, the rest in the promoted one (PyTorch's MSE and Huber backward
     reject mixed dtypes; L1's gradient is composed by autograd). The CPU kernels use the
     promoted dtype."""
-    if not input.is_cuda or name in ("mse", "l1"):
+    row = losses.LOSSES[name]
+    if not input.is_cuda or not (row.keeps_input_dtype or row.gradient_in_own_dtype):
         return input, target
-    if name == "huber" or of_input:
+    if row.keeps_input_dtype or of_input:
         return input, target.to(input.dtype)
     return input.to(target.dtype), target
 
 
-def float64_reference(name: str, input, target, reduction: str, param: float = 1.0) -> torch.Tensor:
-    """PyTorch's own formula evaluated in float64."""
-    loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+def float64_reference(name: str, input, target, reduction: str, param: float | None = None) -> torch.Tensor:
+    """PyTorch's own formula (or fusedloss's, for its own losses) evaluated in float64."""
+    row = losses.LOSSES[name]
+    param = row.param_default if param is None else param
+    loss_id = row.param_zero_is if param == 0 and row.param_zero_is else name
     target = as_computed(name, input, target)
     return formulas.torch_loss(input.double(), target.double(), loss_id, param, reduction)
 

@@ -75,13 +75,16 @@ def test_the_tables_of_losses_agree_across_the_language_boundary():
     table = (build.CSRC / "losses.cuh").read_text()
     cuda_names = re.findall(r'^\s*X\(\w+, "(\w+)", "\w*"\)', table, re.MULTILINE)
     assert cuda_names == list(LOSSES)
-    rows = re.findall(r'^\s*X\((\w+), "(\w+)", "\w*"\)', table, re.MULTILINE)
-    for struct, name in rows:
+    rows = re.findall(r'^\s*X\((\w+), "(\w+)", "(\w*)"\)', table, re.MULTILINE)
+    for struct, name, param in rows:
         assert f"struct {struct}Loss {{" in table
-        # The dtype rule lives in both tables: the result in the input's dtype (Huber's).
+        assert (param or None) == LOSSES[name].param, name
+        # The dtype rules live in both tables: the result in the input's dtype (Huber's),
+        # each gradient in its operand's dtype (Smooth L1's).
         body = table.split(f"struct {struct}Loss {{", 1)[1].split("\n};", 1)[0]
-        flag = re.search(r"kOutputHasInputDtype = (true|false);", body).group(1) == "true"
-        assert flag == LOSSES[name].keeps_input_dtype, name
+        for flag, field in (("kOutputHasInputDtype", "keeps_input_dtype"), ("kGradInOwnDtype", "gradient_in_own_dtype")):
+            value = re.search(flag + r" = (true|false);", body).group(1) == "true"
+            assert value == getattr(LOSSES[name], field), (name, flag)
 
 
 def test_build_root_honours_torch_extensions_dir(monkeypatch, tmp_path):

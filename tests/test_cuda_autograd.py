@@ -6,13 +6,12 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build, grad_output_prediction, routing
+from fusedloss import build, grad_output_prediction, losses, routing
 
-from conftest import LOSSES, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda, warm_up_for_capture
+from conftest import LOSSES, PARAMS, as_seen_by_gradient, heavy_tailed, loss_kwargs, requires_cuda, warm_up_for_capture
 
 pytestmark = requires_cuda
 REDUCTIONS = ("none", "mean", "sum")
-PARAMS = {"mse": 1.0, "l1": 1.0, "smooth_l1": 0.5, "huber": 2.0}
 GRAD_TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (2e-3, 1e-6),
                   torch.float64: (1e-12, 1e-14)}
 
@@ -39,7 +38,8 @@ def _float64_gradients(name, input, target, reduction, grad_scale=1.0, param=Non
     """PyTorch's autograd on float64 copies; each gradient sees the other operand as
     PyTorch's CUDA backward kernel does."""
     param = PARAMS[name] if param is None else param
-    loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+    row = losses.LOSSES[name]
+    loss_id = row.param_zero_is if param == 0 and row.param_zero_is else name
     from fusedloss import formulas
 
     def gradient(of_input):
@@ -71,8 +71,9 @@ def test_fused_gradients_against_float64(name, reduction, dtypes, grad_scale):
     out, grad_input, grad_target = _gradients(name, 0, input, target, reduction, grad_scale)
     expected_input, expected_target = _float64_gradients(name, input, target, reduction, grad_scale)
     _assert_grad_close(grad_input, expected_input, dtypes[0])
-    # Huber is differentiated as computed, in the input's dtype
-    _assert_grad_close(grad_target, expected_target, dtypes[1], dtypes[0] if name == "huber" else None)
+    # a loss that keeps the input's dtype (Huber) is differentiated as computed, in that dtype
+    computed_in = dtypes[0] if losses.LOSSES[name].keeps_input_dtype else None
+    _assert_grad_close(grad_target, expected_target, dtypes[1], computed_in)
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -313,14 +314,15 @@ class _TinyModel(torch.nn.Module):
         return self.loss(self.linear(x), y)
 
 
-@pytest.mark.parametrize("module", [fusedloss.nn.MSELoss(), fusedloss.nn.L1Loss(),
-                                    fusedloss.nn.SmoothL1Loss(beta=0.5), fusedloss.nn.HuberLoss(delta=2.0)],
-                         ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("mode", ["fullgraph", "reduce-overhead"])
-def test_torch_compile(module, mode):
+def test_torch_compile(name, mode):
+    """fusedloss.nn's module, compiled with the model around it, against the model with the
+    loss's reference (PyTorch's function, or the formula) run eagerly."""
     torch._dynamo.reset()
-    model = _TinyModel(module).cuda()
-    reference = _TinyModel(getattr(torch.nn, type(module).__name__)(**_module_kwargs(module))).cuda()
+    kwargs = loss_kwargs(name, PARAMS[name])
+    model = _TinyModel(getattr(fusedloss.nn, losses.LOSSES[name].module)(**kwargs)).cuda()
+    reference = _TinyModel(lambda input, target: LOSSES[name][1](input, target, **kwargs)).cuda()
     reference.load_state_dict(model.state_dict())
     compiled = (torch.compile(model, fullgraph=True) if mode == "fullgraph"
                 else torch.compile(model, mode="reduce-overhead", fullgraph=True))
@@ -337,10 +339,6 @@ def test_torch_compile(module, mode):
         torch.testing.assert_close(model.linear.weight.grad, reference.linear.weight.grad, rtol=1e-4, atol=1e-6)
 
 
-def _module_kwargs(module):
-    return {"beta": module.beta} if hasattr(module, "beta") else {"delta": module.delta} if hasattr(module, "delta") else {}
-
-
 def test_compile_has_no_graph_break():
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
@@ -348,8 +346,12 @@ def test_compile_has_no_graph_break():
     counters.clear()
 
     def step(x, y):
-        return fusedloss.mse_loss(x, y) + fusedloss.huber_loss(x, y, reduction="sum") \
-            + fusedloss.smooth_l1_loss(x, y, reduction="none").mean() + fusedloss.l1_loss(x, y)
+        total = 0
+        for index, name in enumerate(LOSSES):  # every loss, in every reduction between them
+            reduction = REDUCTIONS[index % len(REDUCTIONS)]
+            out = LOSSES[name][0](x, y, reduction=reduction, **loss_kwargs(name, PARAMS[name]))
+            total = total + (out.mean() if reduction == "none" else out)
+        return total
 
     x = torch.randn(100, device="cuda", requires_grad=True)
     y = torch.randn(100, device="cuda")
@@ -373,8 +375,8 @@ def test_manual_cuda_graph_capture_of_a_training_step(name, captured_expectation
     warm_up_for_capture(step)
     # The warm-up steps noted 0.75; capture a forward that expects either (grad_output_prediction).
     torch.cuda.synchronize()
-    param = PARAMS[name] if name in ("smooth_l1", "huber") else 0.0  # as fusedloss.functional passes it
-    slot = grad_output_prediction.history_slot(name, param, "mean", input, target)
+    # PARAMS is 0.0 for a loss without a number, as fusedloss.functional passes it
+    slot = grad_output_prediction.history_slot(name, PARAMS[name], "mean", input, target)
     grad_output_prediction._history["plain"][2 * slot : 2 * slot + 2] = [captured_expectation, 0.0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

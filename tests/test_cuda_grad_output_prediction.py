@@ -10,10 +10,9 @@ import torch
 import fusedloss
 from fusedloss import build, grad_output_prediction, losses, routing
 
-from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
+from conftest import LOSSES, PARAMS, heavy_tailed, loss_kwargs, requires_cuda
 
 pytestmark = requires_cuda
-PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.5, "huber": 2.0}
 NEVER = 1 << 62  # FUSED_GRADIENT_FROM_BYTES that no loss reaches: backward computes every gradient
 
 
@@ -63,7 +62,7 @@ def test_predicted_corrected_and_recomputed_give_the_same_bits(name, reduction, 
     """The forward's gradient for the grad_output that comes; for another one, corrected in
     backward; after a misprediction, computed in backward; and below the size where the
     forward writes it. (An fp16 loss times 65536 is inf, and its gradients hold NaN.)"""
-    # Heavy tails reach both branches of Smooth L1 and Huber; the target broadcasts.
+    # Heavy tails reach both branches of the losses with a number; the target broadcasts.
     input = heavy_tailed((257, 389), torch.float64, "cuda").to(dtypes[0])
     target = heavy_tailed((389,), torch.float64, "cuda").to(dtypes[1])
     routes = {"predicted": (0, grad_scale, False), "corrected": (0, grad_scale * 3 + 1, False),
@@ -122,7 +121,7 @@ def test_a_large_step_has_no_host_sync(predicted, weighted):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     d = input.detach() - target
-    expected = torch.where(d.abs() < 0.5, d / 0.5, d.sign()) * grad_scale
+    expected = losses.LOSSES["smooth_l1"].gradient(d, PARAMS["smooth_l1"]) * grad_scale
     if weighted:
         expected = expected * kwargs["weight"] * 0.5 / kwargs["weight"].sum()
     else:

@@ -9,11 +9,10 @@ import torch
 
 from fusedloss import build, formulas, routing
 
-from conftest import LOSSES, assert_close_to_reference, heavy_tailed, loss_kwargs, requires_cuda
+from conftest import LOSSES, PARAMS, assert_close_to_reference, heavy_tailed, loss_kwargs, requires_cuda
 
 pytestmark = requires_cuda
 requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-PARAMS = {"mse": 1.0, "l1": 1.0, "smooth_l1": 0.5, "huber": 2.0}
 
 
 @pytest.fixture(autouse=True)
@@ -159,7 +158,7 @@ def test_side_stream_work_stays_ordered(name, reduction):
 
 
 def test_calls_from_many_threads_are_correct():
-    """8 threads, each with its own operands, loss and reduction, 50 steps each."""
+    """A thread for each loss and reduction, each with its own operands, 50 steps each."""
     cases = [(name, reduction) for name in LOSSES for reduction in ("mean", "sum")]
     operands = [(heavy_tailed((513, 67), device="cuda"), heavy_tailed((67,), device="cuda")) for _ in cases]
     expected = [_reference(name, i, t, reduction) for (name, reduction), (i, t) in zip(cases, operands)]

@@ -10,10 +10,9 @@ import torch
 import fusedloss
 from fusedloss import build, formulas
 
-from conftest import LOSSES, loss_kwargs, requires_cuda
+from conftest import LOSSES, PARAMS, loss_kwargs, requires_cuda
 
 pytestmark = requires_cuda
-PARAMS = {"mse": 1.0, "l1": 1.0, "smooth_l1": 0.5, "huber": 2.0}
 GIB = 1 << 30
 
 
@@ -35,7 +34,7 @@ def _loss(name, input, target, reduction="mean"):
 
 
 def _chunked_float64(name, input, target, reduction, chunk=1 << 26):
-    """PyTorch's formula in float64 over `chunk` elements at a time; the sum stays on the GPU."""
+    """The loss's reference formula in float64 over `chunk` elements at a time; the sum stays on the GPU."""
     total = torch.zeros((), dtype=torch.float64, device=input.device)
     for start in range(0, input.numel(), chunk):
         total += formulas.torch_loss(input[start : start + chunk].double(), target[start : start + chunk].double(),

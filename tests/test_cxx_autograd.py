@@ -13,12 +13,11 @@ import torch
 import fusedloss
 from fusedloss import build, losses, ops
 
-from conftest import heavy_tailed
+from conftest import PARAMS, heavy_tailed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA device"))]
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
-PARAMS = {"smooth_l1": 0.5, "huber": 2.0, "pseudo_huber": 0.7}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def _python(input, target, loss, param, reduction):
                                                  ((37, 1), (False, True))])
 def test_same_bits_as_the_python_autograd(cxx_autograd, device, loss, reduction, dtype, target_shape, wanted):
     input, target = _operands(device, dtype, target_shape, wanted)
-    param = PARAMS.get(loss, 0.0)
+    param = PARAMS[loss]
 
     def cxx(input, target, loss, param, reduction):
         if reduction == "none":

@@ -1,10 +1,13 @@
 """Property-based comparison with torch.nn.functional (hypothesis).
 
 Random shapes (0-d, empty, up to 5-D), views (transposed, strided, offset),
-broadcasting, dtype pairs, reductions, beta/delta (0, tiny, huge) and values
-with NaN and +-inf. Losses, both gradients, warnings and errors must match
-PyTorch. On the CPU the fused path runs through the operators' reference
-kernels (fixture `fused_cpu`); with a GPU it runs the CUDA kernels.
+broadcasting, dtype pairs, reductions, the loss's number (beta, delta, c: 0,
+tiny, huge, negative) and values with NaN and +-inf. Losses, both gradients,
+warnings and errors must match PyTorch, or for fusedloss's own losses (every
+row of the table of losses is fuzzed) the formula as the unfused route
+computes it; a number outside an own loss's domain is a ValueError. On the
+CPU the fused path runs through the operators' reference kernels (fixture
+`fused_cpu`); with a GPU it runs the CUDA kernels.
 
 FUSEDLOSS_FUZZ_EXAMPLES sets the number of examples per test (default 150).
 """
@@ -16,9 +19,10 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from fusedloss import losses
 
 from conftest import LOSSES, TOLERANCE, as_computed, requires_cuda
 
@@ -98,11 +102,12 @@ def _float64_gradients(name, input, target, grad_for, reduction, param, keep_flo
     dtype), on float64 copies, cast back to each operand's dtype unless keep_float64."""
     from fusedloss import formulas
 
+    row = losses.LOSSES[name]
     operands = (input, as_computed(name, input, target))
-    if name == "huber" and input.is_cuda:  # PyTorch's CUDA Huber computes in the input's dtype
+    if row.keeps_input_dtype and input.is_cuda:  # PyTorch's CUDA Huber computes in the input's dtype
         param = torch.tensor(param, dtype=input.dtype).item()
     copies = [t.detach().double().requires_grad_(g) for t, g in zip(operands, grad_for)]
-    loss = "l1" if name == "smooth_l1" and param == 0 else name
+    loss = row.param_zero_is if param == 0 and row.param_zero_is else name
     out = formulas.torch_loss(*copies, loss, param, reduction)
     grads = torch.autograd.grad(out.sum(), [c for c in copies if c.requires_grad], allow_unused=True,
                                 materialize_grads=True)
@@ -142,17 +147,25 @@ def _close_or_as_accurate(actual, expected, reference64, computed_in=None):
 @fuzz_settings
 @given(pair=operands(), reduction=st.sampled_from(["none", "mean", "sum"]),
        param=st.sampled_from([0.0, 1e-6, 0.5, 1.0, 3.0, 1e6, -1.0]), grad_for=st.tuples(st.booleans(), st.booleans()))
+# a 0-d operand of the wider dtype: the loss is computed broadcast, so it promotes to float64
+@example(pair=[torch.tensor(0.75, dtype=torch.float64), torch.tensor([[0.25, -2.0]])], reduction="none", param=0.5,
+         grad_for=(True, True))
 def test_matches_torch(device, name, pair, reduction, param, grad_for):
     ours, theirs, keyword = LOSSES[name]
+    row = losses.LOSSES[name]
     input, target = (t.to(device) for t in pair)
     # A delta the input's dtype cannot hold: PyTorch's CUDA Huber backward sees it
     # rounded (inf in fp16), its CPU one does not, and fusedloss's operators follow
     # CUDA on every device, so the CPU route has nothing to match.
-    assume(not (device == "cpu" and name == "huber" and input.dtype.is_floating_point
+    assume(not (device == "cpu" and row.keeps_input_dtype and row.param and input.dtype.is_floating_point
                 and torch.tensor(param, dtype=input.dtype).isinf()))
     grad_for = tuple(g and t.dtype.is_floating_point for g, t in zip(grad_for, (input, target)))
     kwargs = {"reduction": reduction, **({keyword: param} if keyword else {})}
     out, grads, our_warnings, our_error = _run(ours, input, target, grad_for, **kwargs)
+    if not row.pytorch and keyword and not row.param_valid(param):
+        # fusedloss's own loss refuses a number outside its domain (the formula has no check)
+        assert our_error is not None and our_error[0] is ValueError and keyword in our_error[1], our_error
+        return
     expected, expected_grads, their_warnings, their_error = _run(theirs, input, target, grad_for, **kwargs)
     assert our_error == their_error
     assert our_warnings == their_warnings
@@ -166,7 +179,7 @@ def test_matches_torch(device, name, pair, reduction, param, grad_for):
         assert "expected" in str(expected_grads)
         expected_grads = _float64_gradients(name, input, target, grad_for, reduction, param)
         # the dtype the forward computes in: Huber the input's, MSE the promoted one
-        computed_in = input.dtype if name == "huber" else torch.promote_types(input.dtype, target.dtype)
+        computed_in = input.dtype if row.keeps_input_dtype else torch.promote_types(input.dtype, target.dtype)
     if expected_grads is not None:
         assert not isinstance(grads, RuntimeError), grads
         references = None

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import fusedloss
 from fusedloss import build, losses, routing
 
-from conftest import requires_cuda
+from conftest import LOSSES, PARAMS, loss_kwargs, requires_cuda
 
-NAMES = tuple(losses.LOSSES)
-PARAMS = {"smooth_l1": {"beta": 1.0}, "huber": {"delta": 1.0}, "pseudo_huber": {"c": 1.0}}
 ROUTES = {"backward": 1 << 62, "forward": 0}
 _INT_VIEW = {torch.float16: (torch.int16, 0x7FFF), torch.bfloat16: (torch.int16, 0x7FFF),
              torch.float32: (torch.int32, 0x7FFFFFFF)}
@@ -48,9 +44,6 @@ def cuda():
     build.load()
     return "cuda"
 
-
-def _param(name: str) -> float:
-    return next(iter(PARAMS.get(name, {"_": 0.0}).values()))
 
 
 # ---- measures ----------------------------------------------------------------------------
@@ -85,43 +78,45 @@ def relative_error(actual: torch.Tensor, reference64: torch.Tensor) -> float:
 def derivative64(name: str, input: torch.Tensor, target: torch.Tensor, float32_math: bool) -> torch.Tensor:
     """d loss / d input per element, in float64, of the operands as the loss sees them:
     in float32 math (under autocast, or where a weight widens a 16-bit loss to float32)
-    as float32 copies; else in the dtype the loss computes the input's gradient in (Huber:
-    the input's; Smooth L1: the gradient's own; others: the promoted one), the difference
-    held in fp16 where that dtype is fp16, as PyTorch's fp16 kernels hold it."""
-    param = _param(name)
+    as float32 copies; else in the dtype the loss computes the input's gradient in (a loss
+    that keeps the input's dtype (Huber): the input's; one whose gradient is computed in its
+    own dtype (Smooth L1): the gradient's; others: the promoted one), the difference held in
+    fp16 where that dtype is fp16, as PyTorch's fp16 kernels hold it."""
+    row = losses.LOSSES[name]
+    param = PARAMS[name]
     if float32_math:
         d = input.double() - target.double()
     else:
         promoted = torch.promote_types(input.dtype, target.dtype)
-        dtype = input.dtype if name in ("huber", "smooth_l1") else promoted
+        dtype = input.dtype if row.keeps_input_dtype or row.gradient_in_own_dtype else promoted
         d = input.to(dtype).double() - target.to(dtype).double()
         if dtype == torch.float16:
             d = d.to(torch.float16).double()
-        param = torch.tensor(param, dtype=dtype).item()  # beta and delta in that dtype
-    return losses.LOSSES[name].gradient(d, param)
+        param = torch.tensor(param, dtype=dtype).item()  # the loss's number in that dtype
+    return row.gradient(d, param)
 
 
 def eager_loss(name: str, input: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    """The loss as a PyTorch user writes it: torch.nn.functional's, or diffusers' pseudo-Huber
-    formula in float32, returned in the operands' dtype."""
-    if name == "pseudo_huber":
-        c = _param(name)
-        d = input.float() - target.float()
-        per_element = (2 * c * (torch.sqrt(d * d + c * c) - c)).to(torch.promote_types(input.dtype, target.dtype))
-        return {"none": per_element, "mean": per_element.mean(), "sum": per_element.sum()}[reduction]
-    if name == "huber" and not torch.is_autocast_enabled("cuda"):  # PyTorch's Huber: in the input's dtype
+    """The loss as a PyTorch user writes it: torch.nn.functional's, or for fusedloss's own
+    losses the table's formula in plain torch (pseudo-Huber in float32, as diffusers casts
+    first), returned in the operands' dtype."""
+    row = losses.LOSSES[name]
+    if row.keeps_input_dtype and not torch.is_autocast_enabled("cuda"):  # PyTorch's Huber: in the input's dtype
         target = target.to(input.dtype)
-    elif name != "smooth_l1":  # computed in the promoted dtype, as a user converts first
+    elif not row.gradient_in_own_dtype:  # computed in the promoted dtype, as a user converts first
         dtype = torch.promote_types(input.dtype, target.dtype)
         input, target = input.to(dtype), target.to(dtype)
-    function = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss, "huber": F.huber_loss}[name]
-    return function(input, target, reduction=reduction, **PARAMS.get(name, {}))
+    function = LOSSES[name][1]  # torch.nn.functional's, or the formula
+    return function(input, target, reduction=reduction, **loss_kwargs(name, PARAMS[name]))
 
 
 def eager_weighted_mean(name: str, input, target, weight, scale: float) -> torch.Tensor:
     """A weighted mean as a PyTorch user writes it (Huber's divides by N, as PyTorch's own)."""
     weighted = eager_loss(name, input, target, "none") * weight
-    divisor = weighted.numel() if name == "huber" else weight.expand(weighted.shape).sum(dtype=torch.float32)
+    if losses.LOSSES[name].weighted_mean_over_count:
+        divisor = weighted.numel()
+    else:
+        divisor = weight.expand(weighted.shape).sum(dtype=torch.float32)
     return weighted.sum() / divisor * scale
 
 
@@ -131,7 +126,7 @@ def grad_output_as_received(grad_output: float, loss: torch.Tensor) -> float:
 
 
 def ours(name: str, input, target, reduction: str, **kwargs) -> torch.Tensor:
-    return getattr(fusedloss, f"{name}_loss")(input, target, reduction=reduction, **PARAMS.get(name, {}), **kwargs)
+    return LOSSES[name][0](input, target, reduction=reduction, **loss_kwargs(name, PARAMS[name]), **kwargs)
 
 
 def check(name: str, ours_grad: torch.Tensor, eager_grad: torch.Tensor, reference64: torch.Tensor, what: str):
@@ -152,7 +147,7 @@ def check(name: str, ours_grad: torch.Tensor, eager_grad: torch.Tensor, referenc
 
 
 @requires_cuda
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("init_scale", [2.0**16, 2.0**24], ids=["2^16", "2^24"])
 @pytest.mark.parametrize("numel", [1 << 16, 1 << 22], ids=["2^16", "2^22"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -190,7 +185,7 @@ def test_fp16_autocast_with_grad_scaler(cuda, route, name, init_scale, numel, re
 
 
 @requires_cuda
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("init_scale", [2.0**16, 2.0**24], ids=["2^16", "2^24"])
 @pytest.mark.parametrize("shape", [(4, 4, 64, 64), (16, 16, 128, 128)], ids=["2^16", "2^22"])
 def test_fp16_weighted_and_scaled_with_grad_scaler(cuda, route, name, init_scale, shape):
@@ -201,7 +196,11 @@ def test_fp16_weighted_and_scaled_with_grad_scaler(cuda, route, name, init_scale
     scaler = torch.amp.GradScaler("cuda", init_scale=init_scale)
     weight = (torch.rand(1, 1, shape[2], 1, device=cuda) + 0.25).to(torch.bfloat16)
     count = weight.double().sum() * (parameter.numel() // weight.numel())
-    divisor = parameter.numel() if name == "huber" else count
+    divisor = parameter.numel() if losses.LOSSES[name].weighted_mean_over_count else count
+    # The loss of an fp16 input and an fp32 target is float32, or fp16 where it keeps the
+    # input's dtype (Huber); the bf16 weight widens that to float32, which fusedloss then
+    # computes in float32 from the operands as given (autocast's math).
+    float32_math = losses.LOSSES[name].keeps_input_dtype
     for step in range(3):
         with torch.no_grad():
             parameter.copy_(torch.randn(shape, device=cuda) * 2)
@@ -215,9 +214,7 @@ def test_fp16_weighted_and_scaled_with_grad_scaler(cuda, route, name, init_scale
         eager_input = input.detach().clone().requires_grad_()
         eager = eager_weighted_mean(name, eager_input, target, weight, 0.25)
         (eager * torch.tensor(scale, device=cuda)).backward()
-        # The bf16 weight widens Huber's fp16 loss to float32, which fusedloss then computes
-        # in float32 from the operands as given (autocast's math).
-        reference = derivative64(name, input.detach(), target, float32_math=name == "huber") * weight.double() * (
+        reference = derivative64(name, input.detach(), target, float32_math=float32_math) * weight.double() * (
             0.25 * scale / divisor)
         check(name, ours_grad, eager_input.grad, reference, f"{route} step {step + 1} scale {scale:g}")
         scaler.step(optimizer)
@@ -227,7 +224,7 @@ def test_fp16_weighted_and_scaled_with_grad_scaler(cuda, route, name, init_scale
 # ---- bf16 and fp32 at grad_outputs other than a power of two ------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
@@ -253,7 +250,8 @@ def test_grad_outputs(request, route, name, dtype, reduction, weighted, on):
         weight = torch.randint(4, 13, (1, shape[1], 1, 1), device=device) / 8
         kwargs = {"weight": weight, "scale": 0.3}
         weight64 = weight.double()
-        divisor = input.numel() if name == "huber" else weight64.sum().item() * input.numel() / weight.numel()
+        count = weight64.sum().item() * input.numel() / weight.numel()
+        divisor = input.numel() if losses.LOSSES[name].weighted_mean_over_count else count
         factor = 0.3 / divisor if reduction == "mean" else 0.3
     for grad_output in (1.0, 0.37, 1000.0):
         input.grad = None

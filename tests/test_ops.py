@@ -17,10 +17,9 @@ import fusedloss
 from fusedloss import build, formulas, losses, routing
 from fusedloss import ops  # noqa: F401
 
-from conftest import FLOAT_DTYPES, LOSSES, heavy_tailed, loss_kwargs, requires_cuda
+from conftest import FLOAT_DTYPES, LOSSES, PARAMS, heavy_tailed, loss_kwargs, requires_cuda
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.75, "huber": 1.5, "pseudo_huber": 0.6}
 
 
 @pytest.fixture(autouse=True)
@@ -34,13 +33,41 @@ def test_schemas():
         assert hasattr(torch.ops.fusedloss, name)
     schema = torch.ops.fusedloss.reduced_loss.default._schema
     assert [a.name for a in schema.arguments] == ["input", "target", "loss", "param", "reduction", "output_mask",
-                                                  "history_slot", "expected_grad_output", "autocast"]
+                                                  "expected_grad_output", "autocast"]
+    # The history slot is the backward's (the Function's, not the forward operator's).
+    schema = torch.ops.fusedloss.weighted_loss.default._schema
+    assert "history_slot" not in [a.name for a in schema.arguments]
     schema = torch.ops.fusedloss.reduced_loss_backward.default._schema
     assert [a.name for a in schema.arguments] == ["grad_output", "input", "target", "loss", "param", "reduction",
                                                   "output_mask", "history_slot", "expected_grad_output", "autocast"]
     for name, written in (("reduced_loss_backward_", 2), ("weighted_loss_backward_", 3)):
         arguments = getattr(torch.ops.fusedloss, name).default._schema.arguments
         assert [bool(a.alias_info and a.alias_info.is_write) for a in arguments[:written + 1]] == [True] * written + [False]
+
+
+def test_the_history_slot_reaches_the_backward_not_the_forward():
+    """The Functions take the backward's history slot after output_mask and hand the
+    forward operator the other arguments; through the operator the backward notes nowhere."""
+    input, target = torch.randn(5, 7, requires_grad=True), torch.randn(5, 7)
+    weight = torch.rand(5, 1)
+    assert ops.ReducedLoss.history_slot_at == 6 and ops.WeightedLoss.history_slot_at == 9
+    assert ops.PointwiseLoss.history_slot_at is None
+    out = ops.ReducedLoss.apply(input, target, "huber", 1.5, "mean", [True, False], 7, 0.5, False)
+    assert out[0].grad_fn.slot == 7 and out[0].grad_fn.expected_grad_output == 0.5
+    (grad,) = torch.autograd.grad(out[0], input)
+    torch.testing.assert_close(grad, torch.autograd.grad(torch.nn.functional.huber_loss(input, target, delta=1.5),
+                                                         input)[0])
+    out = ops.WeightedLoss.apply(input, target, weight, None, None, 0.5, "mse", 0.0, [True, False, False], 3, 2.0,
+                                 False)
+    assert out[0].grad_fn.slot == 3 and out[0].grad_fn.expected_grad_output == 2.0
+    out = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, False], 0.5)
+    assert out[0].grad_fn.slot == -1 and out[0].grad_fn.expected_grad_output == 0.5
+    out = torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 0.5, "mse", 0.0, [True, False, False])
+    assert out[0].grad_fn.slot == -1
+    with torch.no_grad():  # routing.apply hands the operator no slot
+        out = routing.apply(ops.ReducedLoss, torch.ops.fusedloss.reduced_loss.default, (input, target), input,
+                            target, "mse", 0.0, "sum", [False, False], -1, 1.0, False)
+    assert out[0] == torch.nn.functional.mse_loss(input, target, reduction="sum")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -83,7 +110,7 @@ def test_opcheck(device, loss):
                 torch.library.opcheck(torch.ops.fusedloss.reduced_loss, (*args, reduction, mask))
                 # Without autograd: backward corrects the returned gradients in place for its grad_output.
                 torch.library.opcheck(torch.ops.fusedloss.reduced_loss,
-                                      (input.detach(), args[1].detach(), name, param, reduction, mask, -1, 0.37))
+                                      (input.detach(), args[1].detach(), name, param, reduction, mask, 0.37))
         grad_output = torch.randn(input.shape, device=device)
         torch.library.opcheck(torch.ops.fusedloss.pointwise_loss_backward,
                               (grad_output, input.detach(), args[1].detach(), name, param, [True, True]))
@@ -94,7 +121,7 @@ def test_opcheck(device, loss):
                                        param, reduction, mask, -1))
         for expected in (0.37, 2.0):  # as predicted, and not
             with torch.no_grad():
-                _, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(*args, "mean", [True, True], -1, 0.37)
+                _, grad_input, grad_target = torch.ops.fusedloss.reduced_loss(*args, "mean", [True, True], 0.37)
             torch.library.opcheck(torch.ops.fusedloss.reduced_loss_backward_,
                                   (grad_input, grad_target[:0], torch.tensor(expected, device=device),
                                    input.detach(), args[1].detach(), name, param, "mean", 0.37, -1))
@@ -127,7 +154,7 @@ def test_opcheck_weighted(device, loss, weight_shape):
     mask = masks[-2] if weight is not None else masks[0]
     with torch.no_grad():
         _, *written = torch.ops.fusedloss.weighted_loss(input, target, weight, scale, divisor, 0.5, name, param, mask,
-                                                        -1, 1000.0)
+                                                        1000.0)
     torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward_,
                           (*written, torch.tensor(-3.0, device=device), input.detach(), target.detach(), weight,
                            scale, divisor, 0.5, name, param, 1000.0, -1))
@@ -281,12 +308,15 @@ def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
 def test_loss_dtype_rule_matches_torch(dtype):
     for other in FLOAT_DTYPES:
         a, b = torch.ones(2, dtype=dtype), torch.ones(2, dtype=other)
-        for loss, (_, torch_fn, keyword) in LOSSES.items():
+        for loss, (_, torch_fn, _keyword) in LOSSES.items():
             assert formulas.loss_dtype(dtype, other, loss) == torch_fn(a, b, **loss_kwargs(loss, 1.0)).dtype
 
 
 def test_package_exports():
-    assert fusedloss.__all__ == ["huber_loss", "l1_loss", "mse_loss", "nn", "pseudo_huber_loss", "smooth_l1_loss"]
+    """The public function of every row of the table of losses, and the modules."""
+    assert sorted(fusedloss.__all__) == sorted([row.function for row in losses.LOSSES.values()] + ["nn"])
+    for row in losses.LOSSES.values():
+        assert callable(getattr(fusedloss, row.function)) and getattr(fusedloss, row.function).__doc__
 
 
 @requires_cuda

@@ -10,8 +10,12 @@ fusedloss with torch.nn.functional on the same inputs (and, for values and
 gradients, with a float64 evaluation of PyTorch's formula where that is the
 sharper check).
 
+Every loss of the table of losses (fusedloss.losses) runs in every mode, PyTorch's
+against torch.nn.functional, fusedloss's own (pseudo-Huber) against their formula;
+only section 1, PyTorch's samples, is for PyTorch's losses alone.
+
 Sections:
-  1. PyTorch's own test inputs: the OpInfo and ModuleInfo samples of the four losses
+  1. PyTorch's own test inputs: the OpInfo and ModuleInfo samples of PyTorch's losses
   2. per-element grad_output with reduction='none' (random, expanded, non-contiguous)
   3. in-place modification after the forward (version counter); gradients and losses
      of one step are not overwritten by later steps
@@ -45,20 +49,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusedloss
 import fusedloss.nn
-from fusedloss import build, formulas, routing
+from fusedloss import build, formulas, losses, routing
 
-from conftest import LOSSES, TOLERANCE, as_seen_by_gradient, float64_reference, heavy_tailed, loss_kwargs, \
-    requires_cuda, warm_up_for_capture
+from conftest import LOSSES, PARAMS, TOLERANCE, TORCH_LOSSES, as_seen_by_gradient, float64_reference, heavy_tailed, \
+    loss_kwargs, requires_cuda, warm_up_for_capture
 
-OURS, TORCH = 0, 1  # index into a LOSSES row
+OURS, TORCH = 0, 1  # index into a LOSSES row: fusedloss's, PyTorch's (or the formula, for fusedloss's own)
 REDUCTIONS = ("mean", "sum", "none")
-PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.5, "huber": 1.5}
 # Below and from 2**20 elements: where the eager CUDA forward may write the gradient.
 SIZES = (999, (1 << 20) + 3)
 # (rtol, atol) of a gradient against float64 (test_cuda_autograd.py's)
@@ -102,6 +104,18 @@ def _loss(name, fn_index, input, target, reduction="mean", param=None):
     return LOSSES[name][fn_index](input, target, reduction=reduction, **loss_kwargs(name, param))
 
 
+def _loss_id(name, param):
+    """The loss the operators compute for this param: Smooth L1 with beta = 0 is L1."""
+    zero_is = losses.LOSSES[name].param_zero_is
+    return zero_is if zero_is is not None and param == 0 else name
+
+
+def _computed_in(name, input, operand):
+    """The dtype whose rounding a gradient of `operand` carries: the input's for a loss that
+    PyTorch's CUDA kernels compute in it (Huber), else the operand's own, which it is rounded to."""
+    return input.dtype if losses.LOSSES[name].keeps_input_dtype else operand.dtype
+
+
 def _looser(*dtypes):
     return max(dtypes, key=_PRECISION_RANK.__getitem__)
 
@@ -136,7 +150,7 @@ def _grads(out, tensors, grad_output=None, **kwargs):
 def _float64_gradients(name, input, target, reduction, grad_output, param):
     """d loss / d input and d loss / d target by PyTorch's formula on float64 copies, each
     seeing the other operand as PyTorch's CUDA backward does (conftest.as_seen_by_gradient)."""
-    loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+    loss_id = _loss_id(name, param)
 
     def gradient(of_input):
         seen = as_seen_by_gradient(name, input, target, of_input)
@@ -157,7 +171,7 @@ def _gradient_bounds(name, param, reduction, input, target, grad_output):
     """For each operand, the sum over the broadcast elements behind each of its entries of
     |d loss / d element| * |grad_output|: what the rounding of a gradient summed over
     broadcast dimensions is relative to (where the sum cancels, its own size is not)."""
-    loss_id = "l1" if name == "smooth_l1" and param == 0 else name
+    loss_id = _loss_id(name, param)
     i64, t64 = torch.broadcast_tensors(input.detach().double(), target.detach().double())
     per_element = formulas.loss_grad(i64, t64, loss_id, param).abs()
     if reduction == "mean" and i64.numel():
@@ -184,9 +198,9 @@ def _backward(out, scale=1.0, weight=None):
 
 # ---- 1. PyTorch's own OpInfo and ModuleInfo samples ---------------------------------------
 
-OPINFO_NAMES = {"mse": "nn.functional.mse_loss", "l1": "nn.functional.l1_loss",
-                "smooth_l1": "nn.functional.smooth_l1_loss", "huber": "nn.functional.huber_loss"}
-MODULE_NAMES = {"mse": "MSELoss", "l1": "L1Loss", "smooth_l1": "SmoothL1Loss", "huber": "HuberLoss"}
+# PyTorch's samples exist for PyTorch's losses only: their OpInfo and torch.nn module, by the table's names
+OPINFO_NAMES = {name: "nn.functional." + losses.LOSSES[name].function for name in TORCH_LOSSES}
+MODULE_NAMES = {name: losses.LOSSES[name].module for name in TORCH_LOSSES}
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +256,7 @@ def _compare_with_torch(ours, theirs, args, kwargs):
             _assert_close_to_torch(g, w, t.dtype)
 
 
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name", TORCH_LOSSES)
 def test_pytorch_opinfo_samples(pytorch_test_db, device, name):
     op_db, _ = pytorch_test_db
     (opinfo,) = [op for op in op_db if op.name == OPINFO_NAMES[name] and op.variant_test_name == ""]
@@ -254,7 +268,7 @@ def test_pytorch_opinfo_samples(pytorch_test_db, device, name):
     assert count >= 6 * len(_db_dtypes(device))
 
 
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name", TORCH_LOSSES)
 def test_pytorch_moduleinfo_samples(pytorch_test_db, device, name):
     _, module_db = pytorch_test_db
     (info,) = [m for m in module_db if m.module_cls is getattr(torch.nn, MODULE_NAMES[name])]
@@ -456,15 +470,15 @@ def test_inplace_change_after_forward_raises_like_torch(device, name, reduction,
     target_values = heavy_tailed((n,), device=device)
     expected = _mutated_backward(name, TORCH, reduction, mutation, input_values, target_values)
     got = _mutated_backward(name, OURS, reduction, mutation, input_values, target_values)
-    if name != "l1":
-        # PyTorch saves both operands; the scenario is one it refuses.
+    if losses.LOSSES[name].pytorch and name != "l1":
+        # PyTorch's loss saves both operands; the scenario is one it refuses.
         assert isinstance(expected, RuntimeError) and INPLACE_ERROR in str(expected), expected
     if isinstance(expected, RuntimeError):
         assert isinstance(got, RuntimeError), "fusedloss gave a gradient where PyTorch refuses"
         assert INPLACE_ERROR in str(got), got
     elif isinstance(got, RuntimeError):
-        # PyTorch's L1 saves input - target, not the operands, so it can still answer; an
-        # error about the operands is stricter, not wrong.
+        # PyTorch's L1 saves input - target, not the operands, so it can still answer (as the
+        # formula of fusedloss's own loss may); an error about the operands is stricter, not wrong.
         assert INPLACE_ERROR in str(got), got
     else:
         _assert_close_to_torch(got, expected)
@@ -671,7 +685,7 @@ def test_edge_sizes_values_gradients_and_determinism(cuda_kernels, name, dtypes,
         # gradients: against float64 and, where PyTorch computes them, PyTorch
         references = _float64_gradients(name, x, y, reduction, grad_output, param)
         for k, (g, operand) in enumerate(zip(grads, (x, y))):
-            computed_in = x.dtype if name == "huber" else operand.dtype
+            computed_in = _computed_in(name, x, operand)
             try:
                 _assert_grad_close_to_float64(g, references[k], operand.dtype, computed_in)
             except AssertionError as error:
@@ -687,30 +701,31 @@ def _model(device, dtype):
     return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.SiLU(), torch.nn.Linear(48, 16)).to(device, dtype)
 
 
-def _step_fn(model, fn_index):
-    mse, huber = (fusedloss.mse_loss, fusedloss.huber_loss) if fn_index == OURS else (F.mse_loss, F.huber_loss)
+def _step_fn(model, fn_index, names):
+    """A step whose loss is the sum of the losses `names` (weighed 1, 1/2, 1/3, ...) of one prediction."""
 
     def step(x, y):
         prediction = model(x)
-        return mse(prediction, y) + 0.5 * huber(prediction, y, delta=1.0)
+        return sum(_loss(name, fn_index, prediction, y) / (k + 1) for k, name in enumerate(names))
 
     return step
 
 
+@pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_compiled_training_step_matches_compiled_torch(device, dtype):
+def test_compiled_training_step_matches_compiled_torch(device, name, dtype):
     # inductor on CUDA; on the CPU, aot_eager (AOTAutograd without a C++ build), to stay cheap
     backend = "inductor" if device == "cuda" else "aot_eager"
     torch._dynamo.reset()
     ours_model = _model(device, dtype)
     torch_model = copy.deepcopy(ours_model)
-    ours = torch.compile(_step_fn(ours_model, OURS), fullgraph=True, backend=backend)
-    theirs = torch.compile(_step_fn(torch_model, TORCH), fullgraph=True, backend=backend)
+    ours = torch.compile(_step_fn(ours_model, OURS, [name]), fullgraph=True, backend=backend)
+    theirs = torch.compile(_step_fn(torch_model, TORCH, [name]), fullgraph=True, backend=backend)
     optimizer = torch.optim.SGD(ours_model.parameters(), lr=1e-3)
     rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for _ in range(3):
         x = torch.randn(64, 24, device=device, dtype=dtype)
-        y = (heavy_tailed((64, 16), device=device) * 0.5).to(dtype)  # Huber's both branches
+        y = (heavy_tailed((64, 16), device=device) * 0.5).to(dtype)  # both branches of a param's loss
         for model in (ours_model, torch_model):
             model.zero_grad(set_to_none=True)
         loss, expected = ours(x, y), theirs(x, y)
@@ -728,8 +743,9 @@ def test_compiled_training_step_matches_compiled_torch(device, dtype):
 @pytest.mark.parametrize("variant", ["float32", "bfloat16", "bf16 autocast"])
 def test_compiled_model_runs_inductors_code_for_torch(device, variant):
     """A model compiled whole with fusedloss runs the very code that inductor writes for
-    it with torch.nn.functional: the same generated source, forward and backward. So the
-    bench's compiled-model rows time one program twice, and their ratio is noise."""
+    it with torch.nn.functional (or, for fusedloss's own losses, their formula): the same
+    generated source, forward and backward, for a step whose loss sums every loss of the
+    table. So the bench's compiled-model rows time one program twice, and their ratio is noise."""
     if device == "cpu" and variant != "float32":
         pytest.skip("one variant on the CPU: inductor's C++ build is slow")
     from torch._inductor.utils import run_and_get_code
@@ -741,7 +757,7 @@ def test_compiled_model_runs_inductors_code_for_torch(device, variant):
     sources = []
     for fn_index in (OURS, TORCH):
         torch._dynamo.reset()  # the same numbering of graphs and kernels for both
-        step = torch.compile(_step_fn(model, fn_index), fullgraph=True, backend="inductor")
+        step = torch.compile(_step_fn(model, fn_index, list(LOSSES)), fullgraph=True, backend="inductor")
 
         def train_step():
             model.zero_grad(set_to_none=True)
@@ -832,7 +848,7 @@ def cases(draw, dtypes, batch=0):
     """A loss, reduction, beta or delta, and broadcast-compatible heavy-tailed operands
     (0-d, empty and broadcast shapes among them), with `batch` leading rows for vmap."""
     name = draw(st.sampled_from(list(LOSSES)))
-    param = draw(st.sampled_from([0.25, 1.0, 3.0] + ([0.0] if name == "smooth_l1" else [])))
+    param = draw(st.sampled_from([0.25, 1.0, 3.0] + ([0.0] if losses.LOSSES[name].param_zero_is else [])))
     rank = draw(st.integers(0, 3))
     shape = [draw(st.integers(0, 2)) if draw(st.booleans()) else draw(st.integers(1, 9)) for _ in range(rank)]
     other = [1 if draw(st.integers(0, 3)) == 0 else size for size in shape[draw(st.integers(0, rank)):]]

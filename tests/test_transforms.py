@@ -1,9 +1,11 @@
 """Autocast, torch.func transforms and forward-mode AD give PyTorch's results.
 
-The fused operators have no functorch or forward-AD rules: under a transform
-fusedloss runs PyTorch's formula (never dropping a tangent or a batch
-dimension). Under CUDA autocast it computes in float32 from 16-bit operands,
-as autocast does for these losses, reading them as they are.
+Every row of the table of losses: PyTorch's losses against torch.nn.functional,
+fusedloss's own (pseudo-Huber) against their formula. The fused operators have
+no functorch or forward-AD rules: under a transform fusedloss runs PyTorch's
+formula, or its own loss's (never dropping a tangent or a batch dimension).
+Under CUDA autocast it computes in float32 from 16-bit operands, as autocast
+does for these losses, reading them as they are.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ import torch.autograd.forward_ad as fwAD
 
 from fusedloss import build, routing
 
-from conftest import LOSSES, heavy_tailed, loss_kwargs, requires_cuda
-
-PARAMS = {"mse": 0.0, "l1": 0.0, "smooth_l1": 0.5, "huber": 1.5}
+from conftest import LOSSES, PARAMS, heavy_tailed, loss_kwargs, requires_cuda
 
 
 def _fns(name):
@@ -44,7 +44,7 @@ def test_transforms_are_recognised():
     assert not routing.under_a_transform()  # and nothing is left active
 
 
-# ---- on the GPU: every loss and reduction against torch.nn.functional --------------------
+# ---- on the GPU: every loss and reduction against torch.nn.functional or the formula -------
 
 
 @requires_cuda

@@ -711,6 +711,15 @@ def _kernels_required() -> bool:
     return os.environ.get(REQUIRE_KERNELS_ENV, "0") not in ("", "0")
 
 
+def user_stacklevel() -> int:
+    """The stacklevel of the first frame outside fusedloss, for a warning issued by the
+    caller: so that it points at the user's call, however deep the package's path is."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "fusedloss":
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def use_kernels(family: str = "plain") -> bool:
     """Whether CUDA operands go to the `family` of fusedloss's kernels (loading them on first call).
 
@@ -732,7 +741,7 @@ def use_kernels(family: str = "plain") -> bool:
                 f"fusedloss: {error}\nfusedloss falls back to torch.nn.functional: results stay correct, "
                 f"but without the fused kernels. Set {REQUIRE_KERNELS_ENV}=1 to make this an error.",
                 FallbackWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return False
     return True

@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import numbers
 
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import pseudo_huber, routing, weighted
+from . import ops, pseudo_huber, routing, weighted
+from .losses import LOSSES, Loss
+
+__all__ = ["huber_loss", "l1_loss", "mse_loss", "pseudo_huber_loss", "smooth_l1_loss"]
 
 
 def mse_loss(
@@ -60,12 +62,7 @@ def mse_loss(
     """Mean squared error, as ``torch.nn.functional.mse_loss``; ``weight`` and ``scale``
     as described in this module's docstring (a broadcast weight and ``scale`` are
     fusedloss's extensions)."""
-    if weight is not None or scale is not None:
-        return weighted.weighted_loss("mse", 0.0, input, target, size_average, reduce, reduction, weight, scale,
-                              lambda i, t, r: mse_loss(i, t, reduction=r), weighted.TORCH_WEIGHTED.get("mse"))
-    if not routing.kernels_apply(input, target):
-        return F.mse_loss(input, target, size_average, reduce, reduction)
-    return routing.fused_loss("mse", 0.0, input, target, size_average, reduce, reduction)
+    return _loss("mse", input, target, size_average, reduce, reduction, None, weight, scale)
 
 
 def l1_loss(
@@ -80,12 +77,7 @@ def l1_loss(
 ) -> Tensor:
     """Mean absolute error, as ``torch.nn.functional.l1_loss``; ``weight`` and ``scale``
     as described in this module's docstring."""
-    if weight is not None or scale is not None:
-        return weighted.weighted_loss("l1", 0.0, input, target, size_average, reduce, reduction, weight, scale,
-                              lambda i, t, r: l1_loss(i, t, reduction=r), weighted.TORCH_WEIGHTED.get("l1"))
-    if not routing.kernels_apply(input, target):
-        return F.l1_loss(input, target, size_average, reduce, reduction)
-    return routing.fused_loss("l1", 0.0, input, target, size_average, reduce, reduction)
+    return _loss("l1", input, target, size_average, reduce, reduction, None, weight, scale)
 
 
 def smooth_l1_loss(
@@ -102,19 +94,7 @@ def smooth_l1_loss(
     """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1.
     ``weight`` (fusedloss's extension: PyTorch has none for this loss) and ``scale`` as
     described in this module's docstring; a weighted mean divides by the weight's sum."""
-    if not isinstance(beta, numbers.Real):  # PyTorch's conversion, or its error
-        if weight is not None or scale is not None:
-            beta = _as_float("smooth_l1_loss", "beta", beta)
-        else:
-            return F.smooth_l1_loss(input, target, size_average, reduce, reduction, beta=beta)
-    if weight is not None or scale is not None:
-        if not (beta >= 0):
-            return F.smooth_l1_loss(input, target, reduction=reduction, beta=beta)  # PyTorch's error
-        return weighted.weighted_loss("smooth_l1" if beta > 0 else "l1", float(beta), input, target, size_average, reduce,
-                              reduction, weight, scale, lambda i, t, r: smooth_l1_loss(i, t, reduction=r, beta=beta))
-    if not (beta >= 0) or not routing.kernels_apply(input, target):
-        return F.smooth_l1_loss(input, target, size_average, reduce, reduction, beta=beta)
-    return routing.fused_loss("smooth_l1", float(beta), input, target, size_average, reduce, reduction)
+    return _loss("smooth_l1", input, target, size_average, reduce, reduction, beta, weight, scale)
 
 
 def huber_loss(
@@ -128,20 +108,7 @@ def huber_loss(
 ) -> Tensor:
     """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype. A
     weighted mean divides by N, as PyTorch's does; ``scale`` as in this module's docstring."""
-    if not isinstance(delta, numbers.Real):  # PyTorch's conversion, or its error
-        if weight is not None or scale is not None:
-            delta = _as_float("huber_loss", "delta", delta)
-        else:
-            return F.huber_loss(input, target, reduction=reduction, delta=delta)
-    if weight is not None or scale is not None:
-        if not (delta > 0):
-            return F.huber_loss(input, target, reduction=reduction, delta=delta)  # PyTorch's error
-        return weighted.weighted_loss("huber", float(delta), input, target, None, None, reduction, weight, scale,
-                              lambda i, t, r: huber_loss(i, t, reduction=r, delta=delta),
-                              weighted.TORCH_WEIGHTED.get("huber"))
-    if not (delta > 0) or not routing.kernels_apply(input, target):
-        return F.huber_loss(input, target, reduction=reduction, delta=delta)
-    return routing.fused_loss("huber", float(delta), input, target, None, None, reduction)
+    return _loss("huber", input, target, None, None, reduction, delta, weight, scale)
 
 
 def pseudo_huber_loss(
@@ -160,29 +127,82 @@ def pseudo_huber_loss(
     ``c`` is a float > 0 (fused; ValueError otherwise) or a tensor that broadcasts to the
     loss's shape, such as a per-sample c (computed with torch operations). A tensor's
     elements that are not > 0 give NaN losses (checking them on the host would wait for
-    the GPU). The result has the operands'
-    promoted dtype (float32 under CUDA autocast). ``weight`` and ``scale`` as in this
-    module's docstring; a weighted mean divides by the weight's sum.
+    the GPU). The result has the operands' promoted dtype (float32 under CUDA autocast).
+    ``weight`` and ``scale`` as in this module's docstring; a weighted mean divides by the
+    weight's sum.
     """
+    if not isinstance(c, (numbers.Real, Tensor)) or isinstance(c, bool):
+        raise TypeError(f"pseudo_huber_loss(): argument 'c' must be float or Tensor, not {type(c).__name__}")
+    if not isinstance(c, Tensor):
+        return _loss("pseudo_huber", input, target, None, None, reduction, c, weight, scale)
+    _check_reduction(reduction)
+    c = pseudo_huber.nan_where_not_positive(c)
+    if weight is not None or scale is not None:
+        return weighted.weighted_loss("pseudo_huber", 0.0, input, target, None, None, reduction, weight, scale,
+                                      lambda i, t, r: pseudo_huber_loss(i, t, c, reduction=r), fusable=False)
+    routing.warn_if_target_broadcasts(input, target)
+    return pseudo_huber.pseudo_huber_formula(input, target, c, reduction)
+
+
+def _loss(
+    name: str,
+    input: Tensor,
+    target: Tensor,
+    size_average: bool | None,
+    reduce: bool | None,
+    reduction: str,
+    param: object,
+    weight: Tensor | None,
+    scale: float | Tensor | None,
+) -> Tensor:
+    """Every public function's one way: the param checked, then the weighted path, the fused
+    kernels, or PyTorch's loss (the formula, for a loss PyTorch has not)."""
+    row = LOSSES[name]
+    weighted_call = weight is not None or scale is not None
+    if not row.pytorch:
+        _check_reduction(reduction)
+    if row.param is None:
+        param = 0.0
+    else:
+        if not isinstance(param, numbers.Real) or (isinstance(param, bool) and not row.pytorch):
+            if row.pytorch and not weighted_call:
+                return _unfused(row, input, target, size_average, reduce, reduction, param)  # PyTorch's conversion
+            param = _as_float(row.function, row.param, param)
+        if not row.param_valid(param):
+            if row.pytorch:
+                return _unfused(row, input, target, None, None, reduction, param)  # PyTorch's error
+            raise ValueError(f"fusedloss: {row.function} needs {row.param} > 0, got {param}")
+        param = float(param)
+    kernel_loss = row.param_zero_is if param == 0.0 and row.param_zero_is else name
+    if weighted_call:
+        return weighted.weighted_loss(
+            kernel_loss, param, input, target, size_average, reduce, reduction, weight, scale,
+            lambda i, t, r: _loss(name, i, t, None, None, r, param, None, None), weighted.TORCH_WEIGHTED.get(name))
+    if not routing.kernels_apply(input, target):
+        return _unfused(row, input, target, size_average, reduce, reduction, param)
+    return routing.fused_loss(kernel_loss, param, input, target, size_average, reduce, reduction)
+
+
+def _unfused(row: Loss, input: Tensor, target: Tensor, size_average: bool | None, reduce: bool | None,
+             reduction: str, param: object) -> Tensor:
+    """torch.nn.functional's loss with its own results, warnings and errors; the formula for
+    fusedloss's own losses, in the dtype autocast would compute them in."""
+    kwargs = {} if row.param is None else {row.param: param}
+    if size_average is not None or reduce is not None:
+        kwargs.update(size_average=size_average, reduce=reduce)
+    if row.torch_function is not None:
+        return row.torch_function(input, target, reduction=reduction, **kwargs)
+    if not (input.is_floating_point() and target.is_floating_point()):
+        raise TypeError(f"{row.function}(): input and target must be floating point, not {input.dtype} and "
+                        f"{target.dtype}")
+    routing.warn_if_target_broadcasts(input, target)
+    input, target = ops.as_computed(input, target, routing.under_autocast(input, target, input.device.type))
+    return row.reference(input, target, reduction, param)
+
+
+def _check_reduction(reduction: str) -> None:
     if reduction not in routing.MODES:
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    if isinstance(c, Tensor):
-        c = pseudo_huber.nan_where_not_positive(c)
-    elif not isinstance(c, numbers.Real) or isinstance(c, bool):
-        raise TypeError(f"pseudo_huber_loss(): argument 'c' must be float or Tensor, not {type(c).__name__}")
-    elif not c > 0:
-        raise ValueError(f"fusedloss: pseudo_huber_loss needs c > 0, got {c}")
-    fused_c = not isinstance(c, Tensor)
-    if weight is not None or scale is not None:
-        if fused_c:
-            return weighted.weighted_loss("pseudo_huber", float(c), input, target, None, None, reduction, weight, scale,
-                                  lambda i, t, r: pseudo_huber_loss(i, t, c, reduction=r))
-        return weighted.weighted_loss("pseudo_huber", 0.0, input, target, None, None, reduction, weight, scale,
-                              lambda i, t, r: pseudo_huber_loss(i, t, c, reduction=r), fusable=False)
-    if not fused_c or not routing.kernels_apply(input, target):
-        routing.warn_if_target_broadcasts(input, target, stacklevel=3)
-        return pseudo_huber.pseudo_huber_formula(input, target, c, reduction)
-    return routing.fused_loss("pseudo_huber", float(c), input, target, None, None, reduction)
 
 
 def _as_float(function: str, name: str, value: object) -> float:

@@ -1,7 +1,7 @@
 """The table of losses: each loss's PyTorch reference and derivative, in plain torch.
 
 One row per loss, under the names of the CUDA side's table (``csrc/losses.cuh``).
-``formulas``, ``ops`` and ``functional`` read it; it imports none of them.
+The rest of the package reads it; it imports none of it.
 """
 
 from __future__ import annotations
@@ -16,34 +16,74 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Loss:
-    """A row of the table of losses: PyTorch's loss and its derivative, in plain torch."""
+    """A row of the table of losses. The public function and module, the operators' loss
+    names, the dtype rules and the test matrices all come from these rows."""
 
-    # torch.nn.functional's loss of (input, target, reduction, beta or delta)
+    # the public function's name, which is torch.nn.functional's where ``pytorch`` is set
+    function: str
+    # the module's class name in fusedloss.nn, which subclasses torch.nn's where ``pytorch`` is set
+    module: str
+    # the loss of (input, target, reduction, param) in plain torch: PyTorch's own, or the formula
     reference: Callable[[Tensor, Tensor, str, float], Tensor]
-    # d loss / d input as a function of d = input - target (and beta or delta)
+    # d loss / d input as a function of d = input - target (and the param)
     gradient: Callable[[Tensor, float], Tensor]
-    # PyTorch returns the input's dtype, not the promoted one
+    # PyTorch has this loss, under the same function and module names
+    pytorch: bool = False
+    # the keyword of the loss's number (beta, delta, c), its default, and whether 0 is allowed
+    param: str | None = None
+    param_default: float = 1.0
+    # the loss that a param of 0 is, as Smooth L1 with beta = 0 is L1; without one, 0 is invalid
+    param_zero_is: str | None = None
+    # PyTorch returns the input's dtype, not the promoted one (kOutputHasInputDtype)
     keeps_input_dtype: bool = False
+    # PyTorch's CUDA backward computes each gradient in its operand's dtype (kGradInOwnDtype)
+    gradient_in_own_dtype: bool = False
+    # a weighted mean divides by the element count, not the weight's sum (PyTorch's weighted Huber)
+    weighted_mean_over_count: bool = False
+
+    @property
+    def torch_function(self) -> Callable[..., Tensor] | None:
+        """torch.nn.functional's function for this loss, where PyTorch has it."""
+        return getattr(F, self.function) if self.pytorch else None
+
+    def param_valid(self, value: float) -> bool:
+        """The param's domain (NaN is outside it)."""
+        return value > 0 or (value == 0 and self.param_zero_is is not None)
 
 
 # The Python side of the table of losses; csrc/losses.cuh holds the CUDA side,
-# under the same names. A new elementwise loss is a row in each, its public
-# function in functional.py, and its module in nn.py.
+# under the same names. A new elementwise loss is a row in each, and its public
+# function in functional.py.
 LOSSES: dict[str, Loss] = {
-    "mse": Loss(lambda i, t, reduction, _: F.mse_loss(i, t, reduction=reduction), lambda d, _: 2 * d),
-    "l1": Loss(lambda i, t, reduction, _: F.l1_loss(i, t, reduction=reduction), lambda d, _: d.sgn()),
+    "mse": Loss(
+        "mse_loss", "MSELoss",
+        lambda i, t, reduction, _: F.mse_loss(i, t, reduction=reduction),
+        lambda d, _: 2 * d,
+        pytorch=True,
+    ),
+    "l1": Loss(
+        "l1_loss", "L1Loss",
+        lambda i, t, reduction, _: F.l1_loss(i, t, reduction=reduction),
+        lambda d, _: d.sgn(),
+        pytorch=True,
+    ),
     "smooth_l1": Loss(
+        "smooth_l1_loss", "SmoothL1Loss",
         lambda i, t, reduction, beta: F.smooth_l1_loss(i, t, reduction=reduction, beta=beta),
         lambda d, beta: (d / beta).clamp(-1, 1),
+        pytorch=True, param="beta", param_zero_is="l1", gradient_in_own_dtype=True,
     ),
     "huber": Loss(
+        "huber_loss", "HuberLoss",
         lambda i, t, reduction, delta: F.huber_loss(i, t, reduction=reduction, delta=delta),
         lambda d, delta: d.clamp(-delta, delta),
-        keeps_input_dtype=True,
+        pytorch=True, param="delta", keeps_input_dtype=True, weighted_mean_over_count=True,
     ),
     "pseudo_huber": Loss(
+        "pseudo_huber_loss", "PseudoHuberLoss",
         lambda i, t, reduction, c: reduced(pseudo_huber_elementwise(i, t, c), reduction),
         lambda d, c: 2 * c * d / torch.sqrt(d * d + c * c),
+        param="c",
     ),
 }
 
@@ -51,8 +91,9 @@ LOSSES: dict[str, Loss] = {
 def pseudo_huber_elementwise(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
     """2c(sqrt(d^2 + c^2) - c) in at least float32 (as diffusers casts first), written as the
     kernels write it: 2c d^2 / (sqrt(d^2 + c^2) + c) where |d| <= c, which keeps small d's
-    digits. Returned in the promoted dtype of the operands."""
-    d = input - target
+    digits. Returned in the promoted dtype of the operands, broadcast first as PyTorch's
+    losses are (a 0-d operand keeps its part in the promotion)."""
+    d = torch.sub(*torch.broadcast_tensors(input, target))
     x = d.to(torch.promote_types(d.dtype, torch.float32))
     if isinstance(c, Tensor):
         c = c.to(torch.promote_types(c.dtype, x.dtype))
@@ -68,4 +109,4 @@ def reduced(per_element: Tensor, reduction: str) -> Tensor:
         return per_element.sum()
     if reduction == "mean":
         return per_element.mean()
-    raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
+    raise ValueError(f"{reduction} is not a valid value for reduction")  # PyTorch's words

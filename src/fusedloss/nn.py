@@ -1,70 +1,70 @@
-"""Loss modules: subclasses of the ``torch.nn`` classes that compute with fusedloss.
+"""Loss modules, one per row of the table of losses.
 
-Construction, attributes, ``state_dict`` and ``repr`` are the parent's; ``forward``
-computes with fusedloss and also takes ``weight`` and ``scale`` (see
-:mod:`fusedloss.functional`), which change from batch to batch.
+For a loss PyTorch has, the module subclasses ``torch.nn``'s class of the same name:
+construction, attributes, ``state_dict`` and ``repr`` are the parent's. For
+fusedloss's own losses it is a ``torch.nn.modules.loss._Loss`` that takes the loss's
+number (such as ``c``) and ``reduction``. ``forward`` computes with fusedloss and also
+takes ``weight`` and ``scale`` (see :mod:`fusedloss.functional`), which change from
+batch to batch.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor
 
 from . import functional
+from .losses import LOSSES, Loss
+
+__all__ = [row.module for row in LOSSES.values()]
 
 
-class MSELoss(torch.nn.MSELoss):
-    """``torch.nn.MSELoss`` computed by :func:`fusedloss.mse_loss`."""
-
-    def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                scale: float | Tensor | None = None) -> Tensor:
-        return functional.mse_loss(input, target, reduction=self.reduction, weight=weight, scale=scale)
-
-
-class L1Loss(torch.nn.L1Loss):
-    """``torch.nn.L1Loss`` computed by :func:`fusedloss.l1_loss`."""
-
-    def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                scale: float | Tensor | None = None) -> Tensor:
-        return functional.l1_loss(input, target, reduction=self.reduction, weight=weight, scale=scale)
+def _forward(self: torch.nn.Module, input: Tensor, target: Tensor, weight: Tensor | None = None, *,
+             scale: float | Tensor | None = None) -> Tensor:
+    row = self._loss
+    param = {} if row.param is None else {row.param: getattr(self, row.param)}
+    return getattr(functional, row.function)(input, target, reduction=self.reduction, weight=weight, scale=scale,
+                                             **param)
 
 
-class SmoothL1Loss(torch.nn.SmoothL1Loss):
-    """``torch.nn.SmoothL1Loss`` computed by :func:`fusedloss.smooth_l1_loss`."""
+def _own_init(row: Loss):
+    """``__init__(self, <param>=default, reduction='mean')``, with that signature."""
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if row.param is not None:
+        parameters.append(inspect.Parameter(row.param, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                            default=row.param_default, annotation=float))
+    parameters.append(inspect.Parameter("reduction", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="mean",
+                                        annotation=str))
+    signature = inspect.Signature(parameters, return_annotation=None)
 
-    def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                scale: float | Tensor | None = None) -> Tensor:
-        return functional.smooth_l1_loss(input, target, reduction=self.reduction, beta=self.beta, weight=weight,
-                                         scale=scale)
+    def __init__(self, *args, **kwargs) -> None:
+        arguments = signature.bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        torch.nn.modules.loss._Loss.__init__(self, reduction=arguments.arguments["reduction"])
+        if row.param is not None:
+            setattr(self, row.param, arguments.arguments[row.param])
+
+    __init__.__signature__ = signature
+    return __init__
 
 
-class HuberLoss(torch.nn.HuberLoss):
-    """``torch.nn.HuberLoss`` computed by :func:`fusedloss.huber_loss`."""
+def _module(name: str, row: Loss) -> type[torch.nn.Module]:
+    function = f":func:`fusedloss.{row.function}`"
+    namespace = {"_loss": row, "forward": _forward, "__module__": __name__, "__qualname__": row.module}
+    if row.pytorch:
+        bases = (getattr(torch.nn, row.module),)
+        namespace["__doc__"] = f"``torch.nn.{row.module}`` computed by {function}."
+    else:
+        bases = (torch.nn.modules.loss._Loss,)
+        namespace["__doc__"] = f"Computes {function}" + (
+            f"; ``{row.param}`` as that function takes it (a float)." if row.param else ".")
+        namespace["__init__"] = _own_init(row)
+        if row.param is not None:
+            namespace["__constants__"] = ["reduction", row.param]
+            namespace["extra_repr"] = lambda self: f"{row.param}={getattr(self, row.param)}"
+    return type(row.module, bases, namespace)
 
-    def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                scale: float | Tensor | None = None) -> Tensor:
-        return functional.huber_loss(input, target, reduction=self.reduction, delta=self.delta, weight=weight,
-                                     scale=scale)
 
-
-class PseudoHuberLoss(torch.nn.modules.loss._Loss):
-    """Computes :func:`fusedloss.pseudo_huber_loss`: ``2c(sqrt(d^2 + c^2) - c)`` per element.
-
-    Args:
-        c: the scale at which the loss turns from quadratic to linear (a float > 0).
-        reduction: ``'none'``, ``'mean'`` or ``'sum'``.
-    """
-
-    __constants__ = ["reduction", "c"]
-
-    def __init__(self, c: float = 1.0, reduction: str = "mean") -> None:
-        super().__init__(reduction=reduction)
-        self.c = c
-
-    def extra_repr(self) -> str:
-        return f"c={self.c}"
-
-    def forward(self, input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                scale: float | Tensor | None = None) -> Tensor:
-        return functional.pseudo_huber_loss(input, target, c=self.c, reduction=self.reduction, weight=weight,
-                                            scale=scale)
+globals().update({row.module: _module(name, row) for name, row in LOSSES.items()})

@@ -29,8 +29,10 @@ broadcast shape and autograd sums them to each operand's own shape.
 - ``grad_output_history``: the host-mapped notes in which the backward
   operators record, at ``history_slot`` (-1: nowhere), grad_output and whether
   it was not ``expected_grad_output``, for the next forward to predict from
-  (CUDA only; see ``grad_output_prediction``). The forward takes the slot and
-  the expectation for its backward. ``weighted_grad_output_history``: the
+  (CUDA only; see ``grad_output_prediction``). The forward operators take the
+  expectation (their gradients are written for it), not the slot: that is
+  autograd's, for the backward (``ReducedLoss`` and ``WeightedLoss`` take it
+  among the operator's arguments). ``weighted_grad_output_history``: the
   weighted family's notes.
 - ``weighted_loss`` / ``weighted_loss_backward``: ``host_scale * scale / divisor
   * sum_e weight_e * loss_e`` (``scale`` and ``divisor`` one-element tensors read
@@ -73,7 +75,7 @@ _lib.define(
 )
 _lib.define(
     "reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool[2] output_mask, "
-    "int history_slot=-1, float expected_grad_output=1.0, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+    "float expected_grad_output=1.0, bool autocast=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "reduced_loss_backward(Tensor grad_output, Tensor input, Tensor target, str loss, float param, str reduction, "
@@ -91,8 +93,8 @@ _lib.define(
 )
 _lib.define(
     "weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, "
-    "str loss, float param, bool[3] output_mask, int history_slot=-1, float expected_grad_output=1.0, "
-    "bool autocast=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    "str loss, float param, bool[3] output_mask, float expected_grad_output=1.0, bool autocast=False) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
@@ -184,7 +186,7 @@ def _pointwise_loss_backward_broadcast_fake(
 @torch.library.register_fake("fusedloss::reduced_loss")
 def _reduced_loss_fake(
     input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
-    history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
+    expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
@@ -228,8 +230,8 @@ def _weighted_grad_buffers(input: Tensor, target: Tensor, loss: str, output_mask
 @torch.library.register_fake("fusedloss::weighted_loss")
 def _weighted_loss_fake(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
-    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], history_slot: int = -1,
-    expected_grad_output: float = 1.0, autocast: bool = False,
+    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
+    autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "weighted")
     out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
@@ -297,7 +299,7 @@ def _reduced_factor(grad_output: Tensor | float, reduction: str, input: Tensor, 
 @torch.library.impl(_lib, "reduced_loss", "CPU")
 def _reduced_loss_cpu(
     input: Tensor, target: Tensor, loss: str, param: float, reduction: str, output_mask: Sequence[bool],
-    history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
+    expected_grad_output: float = 1.0, autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, reduction)
     factor = _reduced_factor(expected_grad_output, reduction, input, target)
@@ -380,8 +382,8 @@ def _masked(gradients: tuple[Tensor, Tensor, Tensor], output_mask: Sequence[bool
 @torch.library.impl(_lib, "weighted_loss", "CPU")
 def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
-    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], history_slot: int = -1,
-    expected_grad_output: float = 1.0, autocast: bool = False,
+    host_scale: float, loss: str, param: float, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
+    autocast: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_weighted_mask(output_mask)
     out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast)
@@ -471,6 +473,7 @@ def _pointwise_backward(ctx, grad: Tensor):
 
 
 def _reduced_setup_context(ctx, inputs, output) -> None:
+    # inputs: the Function's (_function), with the backward's history slot after output_mask.
     (input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask, ctx.slot, ctx.expected_grad_output,
      ctx.autocast) = inputs
     # Nothing flows back into the fused gradients; don't build N-sized zeros for them.
@@ -522,6 +525,7 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
 
 
 def _weighted_setup_context(ctx, inputs, output) -> None:
+    # inputs: the Function's (_function), with the backward's history slot after output_mask.
     (input, target, weight, scale, divisor, host_scale, loss, param, output_mask, ctx.slot, ctx.expected_grad_output,
      autocast) = inputs
     ctx.arguments = (host_scale, loss, param, autocast)
@@ -574,10 +578,16 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
 # setup_context itself: a Function with a separate setup_context binds its arguments to
 # forward's signature on every call, which a small training step feels, and so does
 # torch.library.register_autograd's bookkeeping.
-_DIFFERENTIABLE = {
-    "pointwise_loss": (_pointwise_setup_context, _pointwise_backward),
-    "reduced_loss": (_reduced_setup_context, _reduced_backward),
-    "weighted_loss": (_weighted_setup_context, _weighted_backward),
+#
+# The reduced losses' backward notes grad_output in a history slot
+# (grad_output_prediction), which their forward operators do not take: their Function
+# takes it among the operator's arguments, after output_mask (where the backward
+# operators take it), and hands the operator the others. Called through the operator,
+# the backward notes nowhere (-1).
+_DIFFERENTIABLE = {  # name: (setup_context, backward, whether the Function takes a history slot)
+    "pointwise_loss": (_pointwise_setup_context, _pointwise_backward, False),
+    "reduced_loss": (_reduced_setup_context, _reduced_backward, True),
+    "weighted_loss": (_weighted_setup_context, _weighted_backward, True),
 }
 
 
@@ -588,24 +598,34 @@ def _has_tangent(args: Sequence[object]) -> bool:
 
 def _function(name: str) -> type[torch.autograd.Function]:
     op = getattr(torch.ops.fusedloss, name).default
-    setup_context, backward = _DIFFERENTIABLE[name]
+    setup_context, backward, takes_slot = _DIFFERENTIABLE[name]
+    arguments = op._schema.arguments
+    # Where the Function's arguments hold the history slot (history_slot_at), or None.
+    at = [a.name for a in arguments].index("output_mask") + 1 if takes_slot else None
 
-    def forward(ctx, *args):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = op(*args)
-        setup_context(ctx, args, output)
-        return output
+    if at is None:
+        def forward(ctx, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op(*args)
+            setup_context(ctx, args, output)
+            return output
+    else:
+        def forward(ctx, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op(*args[:at], *args[at + 1:])
+            setup_context(ctx, args, output)
+            return output
 
     function = type(name, (torch.autograd.Function,), {
-        "__doc__": f"fusedloss::{name} with its autograd.",
+        "__doc__": f"fusedloss::{name} with its autograd."
+                   + ("" if at is None else " Takes the backward's history slot after output_mask."),
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),
+        "history_slot_at": at,
     })
 
-    arguments = op._schema.arguments
-
     def autograd_kernel(*args, **kwargs):
-        if len(args) < len(arguments):  # every argument, as the Function takes them
+        if len(args) < len(arguments):  # every argument of the operator, as the Function takes them
             args = (*args, *(kwargs.get(a.name, a.default_value) for a in arguments[len(args):]))
         # Reverse mode only: a tangent would be dropped, so a dual operand is refused
         # (fusedloss's functions hand dual tensors to torch.nn.functional).
@@ -613,7 +633,7 @@ def _function(name: str) -> type[torch.autograd.Function]:
             raise RuntimeError(f"fusedloss::{name} has no forward-mode AD rule; fusedloss's loss functions compute "
                                "dual tensors through torch.nn.functional")
         if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            return function.apply(*args)
+            return function.apply(*args) if at is None else function.apply(*args[:at], -1, *args[at:])
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 

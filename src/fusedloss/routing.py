@@ -20,11 +20,14 @@ _pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
 
 def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Tensor | None, ...], *args):
     """The operator with its autograd (ops.py) where a `differentiable` operand wants a
-    gradient, else straight to its kernel."""
+    gradient, else straight to its kernel. `args` are the Function's: for the reduced
+    losses, the operator's with their backward's history slot after output_mask, which
+    the operator does not take."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
         return function.apply(*args)
+    at = function.history_slot_at
     with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
+        return op(*args) if at is None else op(*args[:at], *args[at + 1:])
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -70,20 +73,21 @@ def under_a_transform() -> bool:
     return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
-def warn_if_target_broadcasts(input: Tensor, target: Tensor, stacklevel: int) -> None:
-    """torch.nn.functional's warning, pointed at the user's call `stacklevel` frames up."""
+def warn_if_target_broadcasts(input: Tensor, target: Tensor) -> None:
+    """torch.nn.functional's warning, pointed at the user's call."""
     if target.shape != input.shape:
         warnings.warn(
             f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
             "This will likely lead to incorrect results due to broadcasting. "
             "Please ensure they have the same size.",
-            stacklevel=stacklevel,
+            stacklevel=build.user_stacklevel(),
         )
 
 
 def under_autocast(input: Tensor, target: Tensor, device_type: str = "cuda") -> bool:
     """Autocast runs these losses in float32 (they are on its float32 list) when an operand is 16-bit."""
-    return (input.dtype in SIXTEEN_BIT or target.dtype in SIXTEEN_BIT) and torch.is_autocast_enabled(device_type)
+    return ((input.dtype in SIXTEEN_BIT or target.dtype in SIXTEEN_BIT) and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type))
 
 
 def fused_loss(
@@ -99,12 +103,10 @@ def fused_loss(
     Every call of a small loss pays for this function's work, so it compares shapes once."""
     same_shape = target.shape == input.shape
     if not same_shape:
-        warn_if_target_broadcasts(input, target, stacklevel=4)
+        warn_if_target_broadcasts(input, target)
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     mode = reduction if reduction in MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
-    if loss == "smooth_l1" and param == 0.0:
-        loss = "l1"  # as torch.nn.functional.smooth_l1_loss does
     autocast = under_autocast(input, target)
     wants_gradients = (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
     if mode == "none":

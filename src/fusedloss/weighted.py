@@ -9,12 +9,12 @@ import numbers
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
 from . import build, formulas, grad_output_prediction, ops, routing
+from .losses import LOSSES, Loss
 
 _weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
 _NO_WEIGHTED_GRADIENTS = [False, False, False]
@@ -108,7 +108,7 @@ def weighted_loss(
         if reduction == "sum":
             out = out.sum()
         elif reduction == "mean":
-            out = out.mean() if weight is None or loss == "huber" else out.sum() / _expanded_sum(weight, shape, out)
+            out = out.mean() if weight is None or LOSSES[loss].weighted_mean_over_count else out.sum() / _expanded_sum(weight, shape, out)
     if scale is None:
         return out
     return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
@@ -141,7 +141,7 @@ def _fused_weighted_loss(
     loss_dtype: torch.dtype,
     pytorch_case: bool,
 ) -> Tensor:
-    routing.warn_if_target_broadcasts(input, target, stacklevel=5)
+    routing.warn_if_target_broadcasts(input, target)
     numel = shape.numel()
     # A weight that widens the loss's dtype (bf16 operands, a float32 weight) makes it
     # float32: the autocast kernels' math, which reads 16-bit operands as float32.
@@ -157,7 +157,7 @@ def _fused_weighted_loss(
     if reduction == "mean":
         if numel == 0:
             host_scale = math.nan  # 0 / 0, as PyTorch's mean of nothing
-        elif weight is None or loss == "huber":
+        elif weight is None or LOSSES[loss].weighted_mean_over_count:
             host_scale /= numel
         else:
             # The sum of the weight expanded to the loss's shape, without expanding it
@@ -177,19 +177,14 @@ def _fused_weighted_loss(
                              slot, expected, float32_math)[0]
 
 
-def _torch_weighted(name: str) -> Callable[..., Tensor] | None:
+def _torch_weighted(row: Loss) -> Callable[..., Tensor] | None:
     """torch.nn.functional's own weighted loss (torch >= 2.6), as (input, target, reduction, param, weight)."""
-    function = getattr(F, name)
-    if "weight" not in inspect.signature(function).parameters:
+    function = row.torch_function
+    if function is None or "weight" not in inspect.signature(function).parameters:
         return None
-    if name == "huber_loss":
-        return lambda i, t, reduction, delta, w: F.huber_loss(i, t, reduction=reduction, delta=delta, weight=w)
-    return lambda i, t, reduction, _, w: function(i, t, reduction=reduction, weight=w)
+    if row.param is None:
+        return lambda i, t, reduction, _, w: function(i, t, reduction=reduction, weight=w)
+    return lambda i, t, reduction, param, w: function(i, t, reduction=reduction, weight=w, **{row.param: param})
 
 
-TORCH_WEIGHTED = {
-    loss: function
-    for loss, function in (("mse", _torch_weighted("mse_loss")), ("l1", _torch_weighted("l1_loss")),
-                           ("huber", _torch_weighted("huber_loss")))
-    if function is not None
-}
+TORCH_WEIGHTED = {name: function for name, row in LOSSES.items() if (function := _torch_weighted(row)) is not None}

@@ -32,7 +32,7 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 }
 
 using Reduced = Tensors3(const at::Tensor&, const at::Tensor&, c10::string_view, double, c10::string_view,
-                         std::array<bool, 2>, int64_t, double, bool);
+                         std::array<bool, 2>, double, bool);
 using ReducedBackward = Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
                                  c10::string_view, std::array<bool, 2>, int64_t, double, bool);
 using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, double, bool);
@@ -170,7 +170,7 @@ at::Tensor reduced_loss(const at::Tensor& input, const at::Tensor& target, c10::
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = std::get<0>(op.call(input, target, loss, param, reduction, {false, false}, -1, 1.0, autocast));
+    out = std::get<0>(op.call(input, target, loss, param, reduction, {false, false}, 1.0, autocast));
   }
   return with_history<ReducedLossBackward>(std::move(out), input, target, loss, param, reduction, autocast);
 }

@@ -57,10 +57,10 @@ std::tuple<Tensor, Tensor> pointwise_loss_backward(Tensor grad_output, Tensor in
   return {as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type())};
 }
 
-// history_slot is autograd's, for the backward; expected_grad_output multiplies the
-// gradients the forward writes (LossProblem).
+// expected_grad_output multiplies the gradients the forward writes (LossProblem); the
+// backward's history slot is autograd's (ops.py), not the forward's.
 std::tuple<Tensor, Tensor, Tensor> reduced_loss(Tensor input, Tensor target, std::string loss, double param,
-                                                std::string reduction, std::vector<bool> output_mask, int64_t,
+                                                std::string reduction, std::vector<bool> output_mask,
                                                 double expected_grad_output, bool autocast) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   const bool mean = parse_mean(reduction);

@@ -70,12 +70,12 @@ Tensor maybe_weight_grad_buffer(const std::vector<bool>& output_mask, const Weig
   return maybe_grad_buffer(output_mask[2], w.ops.shape, w.ops.loss_dtype, w.ops.input);
 }
 
-// history_slot is autograd's, for the backward; expected_grad_output as in reduced_loss.
+// expected_grad_output as in reduced_loss (no history slot either: that is the backward's).
 std::tuple<Tensor, Tensor, Tensor, Tensor> weighted_loss(Tensor input, Tensor target, std::optional<Tensor> weight,
                                                          std::optional<Tensor> scale, std::optional<Tensor> divisor,
                                                          double host_scale, std::string loss, double param,
-                                                         std::vector<bool> output_mask, int64_t,
-                                                         double expected_grad_output, bool autocast) {
+                                                         std::vector<bool> output_mask, double expected_grad_output,
+                                                         bool autocast) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
   w.ops.problem.expected_grad_output = expected_grad_output;
