@@ -1,4 +1,4 @@
-"""Drop-ins for ``torch.nn.functional``'s regression losses, and pseudo-Huber.
+"""Drop-ins for ``torch.nn.functional``'s regression losses, pseudo-Huber and log-cosh.
 
 On CUDA, float16, bfloat16, float32 and float64 operands (mixed pairs too)
 run on fusedloss's kernels, in eager mode and under CUDA autocast (which these
@@ -46,7 +46,7 @@ from torch import Tensor
 from . import ops, pseudo_huber, routing, weighted
 from .losses import LOSSES, Loss
 
-__all__ = ["huber_loss", "l1_loss", "mse_loss", "pseudo_huber_loss", "smooth_l1_loss"]
+__all__ = ["huber_loss", "l1_loss", "log_cosh_loss", "mse_loss", "pseudo_huber_loss", "smooth_l1_loss"]
 
 
 def mse_loss(
@@ -142,6 +142,24 @@ def pseudo_huber_loss(
                                       lambda i, t, r: pseudo_huber_loss(i, t, c, reduction=r), fusable=False)
     routing.warn_if_target_broadcasts(input, target)
     return pseudo_huber.pseudo_huber_formula(input, target, c, reduction)
+
+
+def log_cosh_loss(
+    input: Tensor,
+    target: Tensor,
+    reduction: str = "mean",
+    weight: Tensor | None = None,
+    *,
+    scale: float | Tensor | None = None,
+) -> Tensor:
+    """Log-cosh loss, ``log(cosh(d))`` per element for d = input - target: about d^2 / 2
+    near 0, about |d| - log 2 far from it; its gradient is tanh(d). fusedloss's own loss
+    (PyTorch has none), computed without overflow for any d and without losing small d's
+    digits. The result has the operands' promoted dtype (float32 under CUDA autocast).
+    ``weight`` and ``scale`` as in this module's docstring; a weighted mean divides by the
+    weight's sum.
+    """
+    return _loss("log_cosh", input, target, None, None, reduction, None, weight, scale)
 
 
 def _loss(

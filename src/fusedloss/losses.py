@@ -6,6 +6,7 @@ The rest of the package reads it; it imports none of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,6 +86,11 @@ LOSSES: dict[str, Loss] = {
         lambda d, c: 2 * c * d / torch.sqrt(d * d + c * c),
         param="c",
     ),
+    "log_cosh": Loss(
+        "log_cosh_loss", "LogCoshLoss",
+        lambda i, t, reduction, _: reduced(log_cosh_elementwise(i, t), reduction),
+        lambda d, _: torch.tanh(d),
+    ),
 }
 
 
@@ -100,6 +106,19 @@ def pseudo_huber_elementwise(input: Tensor, target: Tensor, c: float | Tensor) -
     root = torch.sqrt(x * x + c * c)
     near = torch.where(x.abs() <= c, x * x / (root + c), root - c)
     return (2 * c * near).to(d.dtype)
+
+
+def log_cosh_elementwise(input: Tensor, target: Tensor) -> Tensor:
+    """log(cosh(d)) in at least float32, as the kernels write it: log1p(m^2 / (2 (1 + m)))
+    with m = expm1(|d|) up to |d| = 1, which keeps small d's digits, and
+    |d| + log1p(exp(-2|d|)) - log 2 beyond, which cannot overflow. Returned in the
+    promoted dtype of the operands, broadcast first."""
+    d = torch.sub(*torch.broadcast_tensors(input, target))
+    z = d.to(torch.promote_types(d.dtype, torch.float32)).abs()
+    m = torch.expm1(z.clamp(max=1))
+    near = torch.log1p(m * m / (2 * (1 + m)))
+    far = z + torch.log1p(torch.exp(-2 * z)) - math.log(2)
+    return torch.where(z <= 1, near, far).to(d.dtype)
 
 
 def reduced(per_element: Tensor, reduction: str) -> Tensor:

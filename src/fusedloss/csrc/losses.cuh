@@ -12,7 +12,8 @@
   X(L1, "l1", "")                          \
   X(SmoothL1, "smooth_l1", "beta")         \
   X(Huber, "huber", "delta")               \
-  X(PseudoHuber, "pseudo_huber", "c")
+  X(PseudoHuber, "pseudo_huber", "c")      \
+  X(LogCosh, "log_cosh", "")
 
 #ifdef __CUDACC__
 
@@ -129,6 +130,25 @@ struct PseudoHuberLoss {
   __device__ __forceinline__ static T grad(T d, LossParam<T> c) {
     return (c.value + c.value) * d * PseudoHuberRoot<T>(d, c.value).inverse;
   }
+};
+
+// log(cosh(d)): about d^2 / 2 near 0, about |d| - log 2 far from it. Up to |d| = 1 it is
+// log1p(m^2 / (2 (1 + m))) with m = expm1(|d|), which keeps small d's digits; beyond, it is
+// |d| + log1p(exp(-2|d|)) - log 2, which cannot overflow. Its derivative is tanh(d).
+struct LogCoshLoss {
+  static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
+  template <typename Out, typename T>
+  __device__ __forceinline__ static T value(T d, LossParam<T>) {
+    const T z = fabs(d);
+    if (z <= T(1)) {
+      const T m = expm1(z);
+      return log1p(m * m / (T(2) * (T(1) + m)));
+    }
+    return z + log1p(exp(T(-2) * z)) - T(0.693147180559945309417232121458176568);
+  }
+  template <typename T>
+  __device__ __forceinline__ static T grad(T d, LossParam<T>) { return tanh(d); }
 };
 
 // A loss as CUDA autocast computes it (these losses are on its float32 list):
