@@ -20,15 +20,11 @@ import math
 import torch
 
 import fusedloss
-from fusedloss import routing
+from fusedloss import losses, routing
 
-LOSSES = {
-    "mse": (fusedloss.mse_loss, {}),
-    "l1": (fusedloss.l1_loss, {}),
-    "smooth_l1": (fusedloss.smooth_l1_loss, {"beta": 0.5}),
-    "huber": (fusedloss.huber_loss, {"delta": 2.0}),
-    "pseudo_huber": (fusedloss.pseudo_huber_loss, {"c": 0.5}),
-}
+# every row of the table of losses, with its number where it has one
+LOSSES = {name: (getattr(fusedloss, row.function), {row.param: 0.5 * row.param_default} if row.param else {})
+          for name, row in losses.LOSSES.items()}
 WEIGHT_SHAPES = (None, (), (1, 7, 1), (1, 7, 13), (5, 1, 13), (13,), (5, 7, 13))
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                (torch.bfloat16, torch.float16), (torch.float64, torch.float64)]

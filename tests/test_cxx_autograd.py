@@ -37,6 +37,13 @@ def cxx_autograd(tmp_path_factory):
     return torch.ops.fusedloss_cxx
 
 
+@pytest.fixture(autouse=True)
+def kernels_loaded():
+    """The tests call the operators directly: on CUDA, their kernels must be loaded first."""
+    if torch.cuda.is_available():
+        build.load()
+
+
 def _operands(device, dtype, target_shape, wanted):
     input = heavy_tailed((37, 5), dtype, device).requires_grad_(wanted[0])
     target = heavy_tailed(target_shape, dtype, device).requires_grad_(wanted[1])

@@ -56,9 +56,11 @@ def _forget_this_process(monkeypatch) -> None:
 
 @pytest.fixture
 def simulated_gpu(monkeypatch, tmp_path):
-    """A process that sees one sm_90 GPU, has not tried to build yet, finds only a stand-in
-    nvcc, and builds into tmp_path."""
+    """A process that sees one sm_90 GPU, has not tried to build yet, carries no compiled
+    kernels (also where the suite runs from a wheel), finds only a stand-in nvcc, and builds
+    into tmp_path."""
     _forget_this_process(monkeypatch)
+    monkeypatch.setattr(build, "prebuilt", lambda *args, **kwargs: (None, "this install carries no compiled kernels"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))

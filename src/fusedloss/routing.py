@@ -34,6 +34,8 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
 MODES = ("mean", "sum", "none")
+# where autocast may run (torch.is_autocast_enabled raises for others, such as meta)
+_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
 _NO_GRADIENTS = [False, False]
 # From operands of this many bytes on (both together), a mean or sum writes its
 # gradient in the forward pass, for the grad_output it expects (grad_output_prediction).
@@ -86,7 +88,7 @@ def warn_if_target_broadcasts(input: Tensor, target: Tensor) -> None:
 
 def under_autocast(input: Tensor, target: Tensor, device_type: str = "cuda") -> bool:
     """Autocast runs these losses in float32 (they are on its float32 list) when an operand is 16-bit."""
-    return ((input.dtype in SIXTEEN_BIT or target.dtype in SIXTEEN_BIT) and torch.amp.is_autocast_available(device_type)
+    return ((input.dtype in SIXTEEN_BIT or target.dtype in SIXTEEN_BIT) and device_type in _AUTOCAST_DEVICES
             and torch.is_autocast_enabled(device_type))
 
 
