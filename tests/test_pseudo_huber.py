@@ -325,6 +325,27 @@ def test_tensor_c_equals_float_c(device):
 # ---- NaN, inf, c <= 0 --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("c", [0.5, "tensor"])
+def test_a_difference_whose_square_overflows(device, c, dtype):
+    """d^2 beyond float32 while the loss is not: float64's finite loss 2c(|d| - c) and its
+    gradient 2c sign(d), not inf and NaN or 0."""
+    values = [1e20, -3e19, 1e30, 0.3]
+    input = torch.tensor(values, dtype=dtype, device=device, requires_grad=True)
+    target = torch.zeros(4, dtype=dtype, device=device)
+    c = torch.full((4,), 0.5, device=device) if c == "tensor" else c
+    out = fusedloss.pseudo_huber_loss(input, target, c, reduction="none")
+    grad = torch.autograd.grad(out.sum(), input)[0]
+    input64 = input.detach().double().requires_grad_()
+    c64 = c.double() if isinstance(c, torch.Tensor) else c
+    out64 = fusedloss.pseudo_huber_loss(input64, target.double(), c64, reduction="none")
+    grad64 = torch.autograd.grad(out64.sum(), input64)[0]
+    rtol, atol = TOLERANCE[dtype]
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(out.double(), out64, rtol=rtol, atol=atol)
+    torch.testing.assert_close(grad.double(), grad64, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("c", [0.5, "tensor"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_nan_and_inf_propagate_like_the_formula(device, reduction, c):

@@ -103,8 +103,12 @@ def pseudo_huber_elementwise(input: Tensor, target: Tensor, c: float | Tensor) -
     x = d.to(torch.promote_types(d.dtype, torch.float32))
     if isinstance(c, Tensor):
         c = c.to(torch.promote_types(c.dtype, x.dtype))
-    root = torch.sqrt(x * x + c * c)
-    near = torch.where(x.abs() <= c, x * x / (root + c), root - c)
+    # hypot and the square taken where |d| <= c only: a d whose square overflows keeps its
+    # finite loss and gradient, as the kernels' do
+    root = torch.hypot(x, c if isinstance(c, Tensor) else torch.as_tensor(c, dtype=x.dtype, device=x.device))
+    inside = x.abs() <= c
+    near_x = torch.where(inside, x, 0)
+    near = torch.where(inside, near_x * near_x / (root + c), root - c)
     return (2 * c * near).to(d.dtype)
 
 

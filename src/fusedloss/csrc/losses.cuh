@@ -96,9 +96,14 @@ struct PseudoHuberRoot {
     // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
     // backward's could contract d * d + c * c differently and round their gradients apart.
     const T square = fma(d, d, c * c);
-    if constexpr (std::is_same_v<T, float>) {
+    if (isinf(square)) {
+      // d^2 + c^2 beyond the type while the root is not: hypot scales, so a huge d
+      // keeps its finite loss and its gradient 2c * sign(d).
+      root = hypot(d, c);
+      inverse = T(1) / root;
+    } else if constexpr (std::is_same_v<T, float>) {
       inverse = rsqrtf(square);
-      root = isinf(square) ? square : square * inverse;
+      root = square * inverse;
     } else {
       root = sqrt(square);
       inverse = T(1) / root;
