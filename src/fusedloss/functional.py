@@ -181,7 +181,7 @@ def _loss(
         _check_reduction(reduction)
     if row.param is None:
         param = 0.0
-    else:
+    elif not (type(param) is float and param > 0):  # the usual case, checked before the ABCs, which cost more
         if not isinstance(param, numbers.Real) or (isinstance(param, bool) and not row.pytorch):
             if row.pytorch and not weighted_call:
                 return _unfused(row, input, target, size_average, reduce, reduction, param)  # PyTorch's conversion
