@@ -1,0 +1,67 @@
+"""Log-cosh's own promises, beyond the table's matrices: no overflow at large differences
+in any dtype, small differences keeping their digits, and the gradient tanh(d)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedloss
+from fusedloss import build
+
+from conftest import TOLERANCE, requires_cuda
+
+
+@pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request):
+    if request.param == "cuda":
+        build.load()  # the kernels, or an error (not a silent fallback to torch)
+        return "cuda"
+    if request.param == "fused-cpu":
+        request.getfixturevalue("fused_cpu")
+    return "cpu"
+
+
+def _exact(d: float) -> float:
+    """log(cosh(d)) in float64, written so that it cannot overflow."""
+    z = abs(d)
+    return z + math.log1p(math.exp(-2 * z)) - math.log(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_large_differences_do_not_overflow(device, dtype):
+    values = [1e4, -1e4, 3e4, 88.0, -90.0]
+    input = torch.tensor(values, device=device).to(dtype).requires_grad_()
+    target = torch.zeros(len(values), device=device, dtype=dtype)
+    out = fusedloss.log_cosh_loss(input, target, reduction="none")
+    grad = torch.autograd.grad(out.sum(), input)[0]
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    expected = torch.tensor([_exact(v) for v in input.detach().double().tolist()], dtype=torch.float64)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(grad.double().cpu(), input.detach().double().cpu().tanh(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_small_differences_keep_their_digits(device, reduction):
+    """About d^2 / 2 near 0: written without the cancellation of |d| + softplus(-2|d|) - log 2,
+    so float32 keeps float32's relative precision down to tiny d."""
+    d = torch.logspace(-6, 0, 257, device=device)
+    out = fusedloss.log_cosh_loss(d, torch.zeros_like(d), reduction="none")
+    # cosh(d) - 1 = 2 sinh(d / 2)^2, without the cancellation of float64's cosh(d) - 1
+    expected = torch.tensor([math.log1p(2 * math.sinh(v / 2) ** 2) for v in d.double().tolist()], dtype=torch.float64)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=4e-7, atol=0)
+    total = fusedloss.log_cosh_loss(d, torch.zeros_like(d), reduction=reduction)
+    torch.testing.assert_close(total.double().cpu(), expected.mean() if reduction == "mean" else expected.sum(),
+                               rtol=2e-6, atol=0)
+
+
+def test_gradient_is_tanh_with_grad_output(device):
+    input = (torch.randn(1 << 12, device=device) * 4).requires_grad_()
+    target = torch.randn(1 << 12, device=device)
+    out = fusedloss.log_cosh_loss(input, target, reduction="sum")
+    grad = torch.autograd.grad(out * 0.37, input)[0]
+    expected = (input.detach().double() - target.double()).tanh() * 0.37
+    torch.testing.assert_close(grad.double(), expected, rtol=2e-6, atol=1e-7)
