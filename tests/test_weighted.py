@@ -476,6 +476,26 @@ def test_sizes(device, name, reduction, weight_shape, n):
             assert out.isnan().all() if reduction == "mean" else (out == 0).all()
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("name", LOSSES)
+def test_target_broadcasts_the_loss_to_nothing(device, name, reduction):
+    """A weight of the input's size where the target broadcasts the loss to no element:
+    PyTorch's weighted mean divides 0 by the weight as given, so it is 0, not NaN; any
+    other mean of nothing is NaN (0 / 0), a sum 0."""
+    input, target = operands((1, 3), device)[0], operands((0, 3), device)[1]
+    weight = make_weight("positive", device, shape=(1, 3), requires_grad=True)
+    zero = reduction == "sum" or (reduction == "mean" and torch_case(name, input, weight)
+                                  and not losses.LOSSES[name].weighted_mean_over_count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a target of another shape
+        if zero or reduction == "none":
+            out = check_against_reference(name, reduction, input.requires_grad_(), target, weight, None)
+        else:
+            out = weighted_loss(name, input, target, reduction, weight=weight)
+    assert out.shape == ((0, 3) if reduction == "none" else ())
+    assert (out == 0).all() if zero else out.isnan().all()
+
+
 @pytest.mark.parametrize("name", LOSSES)
 def test_scale_forms(device, name):
     """scale: an int, a float, a 0-d tensor of any float dtype (on CPU, too), and the

@@ -155,16 +155,17 @@ def _fused_weighted_loss(
     elif scale is not None:
         host_scale = float(scale)  # a number, or a CPU tensor: no device to wait for
     if reduction == "mean":
-        if numel == 0:
-            host_scale = math.nan  # 0 / 0, as PyTorch's mean of nothing
-        elif weight is None or LOSSES[loss].weighted_mean_over_count:
-            host_scale /= numel
-        else:
-            # The sum of the weight expanded to the loss's shape, without expanding it
-            # (as given, in PyTorch's own case).
+        if weight is None or LOSSES[loss].weighted_mean_over_count:
+            host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
+        elif pytorch_case:
+            # The weight as given, also where the target broadcasts the loss to nothing.
             divisor = _weight_sum(weight, result_dtype)
-            if not pytorch_case:
-                host_scale /= numel // weight.numel()
+        elif numel == 0:
+            host_scale = math.nan
+        else:
+            # The sum of the weight expanded to the loss's shape, without expanding it.
+            divisor = _weight_sum(weight, result_dtype)
+            host_scale /= numel // weight.numel()
     output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         if routing.forward_writes_gradients(input, target, numel):
