@@ -17,7 +17,7 @@ namespace fusedloss {
 namespace {
 
 LossKind parse_loss(c10::string_view name) {
-#define FUSEDLOSS_PARSE_LOSS(Name, text, param) \
+#define FUSEDLOSS_PARSE_LOSS(Name, text, param, domain) \
   if (name == text) return LossKind::k##Name;
   FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARSE_LOSS)
 #undef FUSEDLOSS_PARSE_LOSS

@@ -49,7 +49,7 @@ SIXTEEN_BIT = re.compile(
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 _CONDITIONAL = re.compile(r"^[ \t]*#[ \t]*(ifdef|ifndef|if|elif|else|endif)\b(.*)$")
 _LOSS_TABLE = re.compile(r"^#define FUSEDLOSS_FOR_EACH_LOSS\(X\)[ \t]*\\\n((?:.*\\\n)*.*\n)", re.MULTILINE)
-_LOSS_ROW = re.compile(r'X\((\w+), "(\w+)", "(\w*)"\)')
+_LOSS_ROW = re.compile(r'X\((\w+), "(\w+)", "(\w*)", \w+\)')
 # Lines that open or close a namespace (launch.h's FUSEDLOSS_KERNELS_* open and close fusedloss).
 _STRUCTURE = re.compile(r"namespace\s*\w*\s*\{|\}|FUSEDLOSS_KERNELS_(BEGIN|END)")
 _IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")

@@ -50,7 +50,8 @@ PARAMS = {name: 0.75 * row.param_default if row.param else 0.0 for name, row in 
 @pytest.fixture
 def fused_cpu(monkeypatch):
     """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops'
-    CPU reference kernels, as CUDA tensors go through them to the CUDA kernels."""
+    CPU reference kernels, as CUDA tensors go through them to the CUDA kernels (and, as on
+    CUDA, not under torch.compile or a torch.func transform, where torch operations run)."""
     from fusedloss import build
 
     monkeypatch.setattr(build, "load", lambda *families: {})
@@ -59,8 +60,47 @@ def fused_cpu(monkeypatch):
         "kernels_apply",
         lambda input, target: input.device == target.device
         and input.dtype in routing.KERNEL_DTYPES
-        and target.dtype in routing.KERNEL_DTYPES,
+        and target.dtype in routing.KERNEL_DTYPES
+        and not torch.compiler.is_compiling()
+        and not routing.under_a_transform(),
     )
+
+
+@pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])
+def device(request):
+    """"cpu" through fusedloss's CPU route (torch operations), "fused-cpu" through its
+    operators' CPU kernels, or "cuda" through the kernels (an error if they cannot load,
+    never a silent fallback to torch)."""
+    if request.param == "cuda":
+        from fusedloss import build
+
+        build.load()
+        return "cuda"
+    if request.param == "fused-cpu":
+        request.getfixturevalue("fused_cpu")
+    return "cpu"
+
+
+@pytest.fixture(scope="session")
+def pytorch_test_db():
+    """(op_db, module_db) from torch.testing._internal, or a skip that says why not."""
+    pytest.importorskip("expecttest", reason="torch.testing._internal imports expecttest (pip install expecttest)")
+    import hypothesis
+
+    get_profile = getattr(hypothesis.settings, "get_current_profile_name", None)
+    profile = get_profile() if get_profile else hypothesis.settings._current_profile
+    # common_utils freezes torch.backends' flags and loads a hypothesis profile when
+    # imported; this context puts the flags back, the finally the profile.
+    allow_flags = getattr(torch.backends, "__allow_nonbracketed_mutation")
+    try:
+        with allow_flags():
+            from torch.testing._internal.common_methods_invocations import op_db
+            from torch.testing._internal.common_modules import module_db
+    except Exception as error:  # the reason is what the skip reports
+        pytest.skip(f"torch.testing._internal cannot be imported: {error!r}")
+    finally:
+        hypothesis.settings.load_profile(profile)
+    return op_db, module_db
 
 
 @pytest.fixture(autouse=True)

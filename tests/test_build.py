@@ -7,6 +7,7 @@ The compiler is a stand-in here (the real build runs in CI through
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -73,12 +74,15 @@ def test_the_tables_of_losses_agree_across_the_language_boundary():
     from fusedloss.losses import LOSSES
 
     table = (build.CSRC / "losses.cuh").read_text()
-    cuda_names = re.findall(r'^\s*X\(\w+, "(\w+)", "\w*"\)', table, re.MULTILINE)
+    cuda_names = re.findall(r'^\s*X\(\w+, "(\w+)", "\w*", \w+\)', table, re.MULTILINE)
     assert cuda_names == list(LOSSES)
-    rows = re.findall(r'^\s*X\((\w+), "(\w+)", "(\w*)"\)', table, re.MULTILINE)
-    for struct, name, param in rows:
+    rows = re.findall(r'^\s*X\((\w+), "(\w+)", "(\w*)", (\w+)\)', table, re.MULTILINE)
+    for struct, name, param, domain in rows:
         assert f"struct {struct}Loss {{" in table
         assert (param or None) == LOSSES[name].param, name
+        # the param's domain: > 0 (0 is another loss's, as Smooth L1's beta = 0 is L1), or [0, 1]
+        unit = domain == "kUnitInterval"
+        assert (LOSSES[name].param_max, LOSSES[name].param_zero_valid) == ((1.0, True) if unit else (math.inf, False))
         # The dtype rules live in both tables: the result in the input's dtype (Huber's),
         # each gradient in its operand's dtype (Smooth L1's).
         body = table.split(f"struct {struct}Loss {{", 1)[1].split("\n};", 1)[0]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import fusedloss
 from fusedloss.bench import large
 
@@ -45,3 +47,21 @@ def test_the_bench_halves_its_shape_until_it_fits(capsys):
     assert capsys.readouterr().out == ""
     assert large.fitting_shape((32768, 32768), 10 * 2**30) == (8192, 32768)
     assert "10.0 GiB of GPU memory free" in capsys.readouterr().out
+
+
+def test_the_bench_compares_like_with_like():
+    """Each bench case's fused and eager systems compute the same loss and gradient (on the
+    CPU, at small sizes), so the timed rows compare like with like."""
+    from fusedloss.bench import other_losses
+
+    cases = other_losses.quantile_cases("cpu", shapes=((4, 6),))
+    cases += other_losses.elementwise_cases(1 << 10, torch.float32, "cpu")
+    cases += [other_losses.per_sample_case((4, 2, 8, 8), torch.float32, "cpu")]
+    cases += other_losses.tensor_param_cases((4, 2, 8, 8), torch.float32, "cpu")
+    assert len(cases) == 8
+    for case in cases:
+        fused, eager = case.fused(case.p, case.t), case.eager(case.p, case.t)
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6, msg=case.label)
+        grads = [torch.autograd.grad(loss, case.p)[0] for loss in (fused, eager)]
+        torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-7, msg=case.label)
+        assert case.nbytes >= 2 * case.p.numel() * case.p.element_size()

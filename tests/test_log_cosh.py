@@ -9,19 +9,8 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import build
 
-from conftest import TOLERANCE, requires_cuda
-
-
-@pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])
-def device(request):
-    if request.param == "cuda":
-        build.load()  # the kernels, or an error (not a silent fallback to torch)
-        return "cuda"
-    if request.param == "fused-cpu":
-        request.getfixturevalue("fused_cpu")
-    return "cpu"
+from conftest import TOLERANCE
 
 
 def _exact(d: float) -> float:

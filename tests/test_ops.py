@@ -313,8 +313,9 @@ def test_loss_dtype_rule_matches_torch(dtype):
 
 
 def test_package_exports():
-    """The public function of every row of the table of losses, and the modules."""
-    assert sorted(fusedloss.__all__) == sorted([row.function for row in losses.LOSSES.values()] + ["nn"])
+    """The public function of every row of the table of losses, the likelihoods', and the modules."""
+    expected = [row.function for row in losses.LOSSES.values()] + ["gaussian_nll_loss", "poisson_nll_loss", "nn"]
+    assert sorted(fusedloss.__all__) == sorted(expected)
     for row in losses.LOSSES.values():
         assert callable(getattr(fusedloss, row.function)) and getattr(fusedloss, row.function).__doc__
 

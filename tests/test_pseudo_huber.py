@@ -21,7 +21,7 @@ import torch
 
 import fusedloss
 import fusedloss.nn
-from fusedloss import build, functional, routing
+from fusedloss import build, functional
 
 from conftest import TOLERANCE, heavy_tailed, requires_cuda
 
@@ -97,21 +97,6 @@ def per_sample_c(device, dtype=torch.float32, requires_grad=True, shape=(3, 1, 1
     return leaf((torch.rand(shape, device=device) * 1.95 + 0.05).to(dtype), requires_grad)
 
 
-@pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])
-def device(request, monkeypatch):
-    if request.param == "cuda":
-        build.load()  # the kernels, or an error (not a silent fallback to torch)
-        return "cuda"
-    if request.param == "fused-cpu":
-        request.getfixturevalue("fused_cpu")
-        routed = routing.kernels_apply
-        # As on CUDA: under torch.compile or a torch.func transform, torch operations run.
-        monkeypatch.setattr(routing, "kernels_apply",
-                            lambda *args: routed(*args) and not torch.compiler.is_compiling()
-                            and not routing.under_a_transform())
-    return "cpu"
-
-
 # ---- API ------------------------------------------------------------------------------------
 
 
@@ -123,7 +108,7 @@ def test_exported():
 
 def test_signature():
     parameters = inspect.signature(fusedloss.pseudo_huber_loss).parameters
-    assert list(parameters) == ["input", "target", "c", "reduction", "weight", "scale"]
+    assert list(parameters) == ["input", "target", "c", "reduction", "weight", "scale", "dim", "keepdim"]
     assert parameters["c"].default == 1.0 and parameters["reduction"].default == "mean"
     assert parameters["weight"].default is None and parameters["scale"].default is None
     assert parameters["scale"].kind is inspect.Parameter.KEYWORD_ONLY

@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 
 import fusedloss
 import fusedloss.nn
-from fusedloss import build, formulas, losses, routing
+from fusedloss import build, formulas, losses
 
 from conftest import LOSSES, PARAMS, TOLERANCE, TORCH_LOSSES, as_seen_by_gradient, float64_reference, heavy_tailed, \
     loss_kwargs, requires_cuda, warm_up_for_capture
@@ -75,17 +75,12 @@ fuzz_settings = settings(max_examples=EXAMPLES, deadline=None, derandomize=False
 
 
 @pytest.fixture(params=["fused-cpu", pytest.param("cuda", marks=requires_cuda)])
-def device(request, monkeypatch):
+def device(request):
     """"cpu" through fusedloss's operators (their CPU kernels), or "cuda"."""
     if request.param == "cuda":
         request.getfixturevalue("cuda_kernels")
         return "cuda"
-    request.getfixturevalue("fused_cpu")
-    routed = routing.kernels_apply
-    # As on CUDA: under torch.compile, a torch.func transform or forward-mode AD, torch.nn.functional runs.
-    monkeypatch.setattr(routing, "kernels_apply",
-                        lambda input, target, *rest: routed(input, target, *rest)
-                        and not torch.compiler.is_compiling() and not routing.under_a_transform())
+    request.getfixturevalue("fused_cpu")  # as on CUDA, torch operations under compile and transforms
     return "cpu"
 
 
@@ -201,28 +196,6 @@ def _backward(out, scale=1.0, weight=None):
 # PyTorch's samples exist for PyTorch's losses only: their OpInfo and torch.nn module, by the table's names
 OPINFO_NAMES = {name: "nn.functional." + losses.LOSSES[name].function for name in TORCH_LOSSES}
 MODULE_NAMES = {name: losses.LOSSES[name].module for name in TORCH_LOSSES}
-
-
-@pytest.fixture(scope="module")
-def pytorch_test_db():
-    """(op_db, module_db) from torch.testing._internal, or a skip that says why not."""
-    pytest.importorskip("expecttest", reason="torch.testing._internal imports expecttest (pip install expecttest)")
-    import hypothesis
-
-    get_profile = getattr(hypothesis.settings, "get_current_profile_name", None)
-    profile = get_profile() if get_profile else hypothesis.settings._current_profile
-    # common_utils freezes torch.backends' flags and loads a hypothesis profile when
-    # imported; this context puts the flags back, the finally the profile.
-    allow_flags = getattr(torch.backends, "__allow_nonbracketed_mutation")
-    try:
-        with allow_flags():
-            from torch.testing._internal.common_methods_invocations import op_db
-            from torch.testing._internal.common_modules import module_db
-    except Exception as error:  # the reason is what the skip reports
-        pytest.skip(f"torch.testing._internal cannot be imported: {error!r}")
-    finally:
-        hypothesis.settings.load_profile(profile)
-    return op_db, module_db
 
 
 def _db_dtypes(device):
@@ -848,7 +821,7 @@ def cases(draw, dtypes, batch=0):
     """A loss, reduction, beta or delta, and broadcast-compatible heavy-tailed operands
     (0-d, empty and broadcast shapes among them), with `batch` leading rows for vmap."""
     name = draw(st.sampled_from(list(LOSSES)))
-    param = draw(st.sampled_from([0.25, 1.0, 3.0] + ([0.0] if losses.LOSSES[name].param_zero_is else [])))
+    param = draw(st.sampled_from([p for p in (0.25, 1.0, 3.0, 0.0) if losses.LOSSES[name].param_valid(p)]))
     rank = draw(st.integers(0, 3))
     shape = [draw(st.integers(0, 2)) if draw(st.booleans()) else draw(st.integers(1, 9)) for _ in range(rank)]
     other = [1 if draw(st.integers(0, 3)) == 0 else size for size in shape[draw(st.integers(0, rank)):]]

@@ -31,11 +31,11 @@ CPP_SOURCE = r"""#include <ATen/ops/empty.h>
 
 #include <cuda_runtime.h>
 
-#define FUSEDLOSS_FOR_EACH_LOSS(X) X(Mse, "mse", "")
+#define FUSEDLOSS_FOR_EACH_LOSS(X) X(Mse, "mse", "", kPositive)
 
 namespace fusedloss {
 
-#define FUSEDLOSS_LOSS_KIND(Name, name, param) k##Name,
+#define FUSEDLOSS_LOSS_KIND(Name, name, param, domain) k##Name,
 enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 #undef FUSEDLOSS_LOSS_KIND
 
@@ -86,7 +86,7 @@ namespace fusedloss {
 namespace {
 
 LossKind parse_loss(c10::string_view name) {
-#define FUSEDLOSS_PARSE_LOSS(Name, text, param) \
+#define FUSEDLOSS_PARSE_LOSS(Name, text, param, domain) \
   if (name == text) return LossKind::k##Name;
   FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARSE_LOSS)
 #undef FUSEDLOSS_PARSE_LOSS
@@ -131,7 +131,7 @@ CUDA_SOURCE = r"""#include <type_traits>
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#define FUSEDLOSS_FOR_EACH_LOSS(X) X(Mse, "mse", "")
+#define FUSEDLOSS_FOR_EACH_LOSS(X) X(Mse, "mse", "", kPositive)
 
 namespace fusedloss {
 
@@ -165,7 +165,7 @@ struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
 
 namespace fusedloss {
 
-#define FUSEDLOSS_LOSS_KIND(Name, name, param) k##Name,
+#define FUSEDLOSS_LOSS_KIND(Name, name, param, domain) k##Name,
 enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 #undef FUSEDLOSS_LOSS_KIND
 
@@ -500,7 +500,7 @@ void with_input_dtype(DType dtype, F&& f) {
 
 template <class F>
 void with_loss(LossKind loss, F&& f) {
-#define FUSEDLOSS_LOSS_CASE(Name, name, param) \
+#define FUSEDLOSS_LOSS_CASE(Name, name, param, domain) \
   case LossKind::k##Name: f(Name##Loss{}); break;
   switch (loss) { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_CASE) }
 #undef FUSEDLOSS_LOSS_CASE

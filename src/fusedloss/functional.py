@@ -1,4 +1,5 @@
-"""Drop-ins for ``torch.nn.functional``'s regression losses, pseudo-Huber and log-cosh.
+"""Drop-ins for ``torch.nn.functional``'s regression losses, and pseudo-Huber, log-cosh
+and quantile losses.
 
 On CUDA, float16, bfloat16, float32 and float64 operands (mixed pairs too)
 run on fusedloss's kernels, in eager mode and under CUDA autocast (which these
@@ -33,20 +34,35 @@ Weights and scale (every loss):
 - A weight that requires grad gets its gradient from the fused pass as well,
   written per element of the loss beside the operands' gradients and summed to
   the weight's shape (a weighted mean's divisor adds its part). A scale that
-  requires grad, ``reduction='none'`` with a weight or scale, and a tensor ``c``
-  for pseudo-Huber are computed with torch operations around the fused
-  unweighted loss.
+  requires grad, ``reduction='none'`` with a weight or scale, and a tensor
+  param (pseudo-Huber's ``c``, several quantiles) are computed with torch
+  operations around the fused unweighted loss.
+
+Per-sample losses (every loss): ``dim`` (an int or a sequence of them) reduces
+over those dimensions only, as ``torch.mean`` and ``torch.sum`` do, and
+``keepdim`` keeps them with size 1; ``reduction`` must be ``'mean'`` or
+``'sum'``. ``mse_loss(p, t, dim=(1, 2, 3))`` is the per-sample MSE of a batch of
+images. With a weight, the mean over ``dim`` divides by the weight summed over
+``dim`` as if expanded (Huber's by the count); ``scale`` multiplies the result.
+The loss per element is fused; the reduction over ``dim`` is torch's.
 """
 from __future__ import annotations
 
+import functools
+import math
 import numbers
+from collections.abc import Sequence
 
+import torch
 from torch import Tensor
+from torch.nn import _reduction
 
-from . import ops, pseudo_huber, routing, weighted
+from . import likelihood, ops, pseudo_huber, reductions, routing, weighted
 from .losses import LOSSES, Loss
+from .reductions import Dims
 
-__all__ = ["huber_loss", "l1_loss", "log_cosh_loss", "mse_loss", "pseudo_huber_loss", "smooth_l1_loss"]
+__all__ = ["gaussian_nll_loss", "huber_loss", "l1_loss", "log_cosh_loss", "mse_loss", "poisson_nll_loss",
+           "pseudo_huber_loss", "quantile_loss", "smooth_l1_loss"]
 
 
 def mse_loss(
@@ -58,11 +74,13 @@ def mse_loss(
     weight: Tensor | None = None,
     *,
     scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
     """Mean squared error, as ``torch.nn.functional.mse_loss``; ``weight`` and ``scale``
     as described in this module's docstring (a broadcast weight and ``scale`` are
     fusedloss's extensions)."""
-    return _loss("mse", input, target, size_average, reduce, reduction, None, weight, scale)
+    return _loss("mse", input, target, size_average, reduce, reduction, None, weight, scale, dim, keepdim)
 
 
 def l1_loss(
@@ -74,10 +92,12 @@ def l1_loss(
     weight: Tensor | None = None,
     *,
     scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
     """Mean absolute error, as ``torch.nn.functional.l1_loss``; ``weight`` and ``scale``
     as described in this module's docstring."""
-    return _loss("l1", input, target, size_average, reduce, reduction, None, weight, scale)
+    return _loss("l1", input, target, size_average, reduce, reduction, None, weight, scale, dim, keepdim)
 
 
 def smooth_l1_loss(
@@ -90,11 +110,13 @@ def smooth_l1_loss(
     *,
     weight: Tensor | None = None,
     scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
     """Smooth L1 loss, as ``torch.nn.functional.smooth_l1_loss``; beta = 0 is L1.
     ``weight`` (fusedloss's extension: PyTorch has none for this loss) and ``scale`` as
     described in this module's docstring; a weighted mean divides by the weight's sum."""
-    return _loss("smooth_l1", input, target, size_average, reduce, reduction, beta, weight, scale)
+    return _loss("smooth_l1", input, target, size_average, reduce, reduction, beta, weight, scale, dim, keepdim)
 
 
 def huber_loss(
@@ -105,10 +127,12 @@ def huber_loss(
     weight: Tensor | None = None,
     *,
     scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
     """Huber loss, as ``torch.nn.functional.huber_loss``; returns the input's dtype. A
     weighted mean divides by N, as PyTorch's does; ``scale`` as in this module's docstring."""
-    return _loss("huber", input, target, None, None, reduction, delta, weight, scale)
+    return _loss("huber", input, target, None, None, reduction, delta, weight, scale, dim, keepdim)
 
 
 def pseudo_huber_loss(
@@ -119,6 +143,8 @@ def pseudo_huber_loss(
     weight: Tensor | None = None,
     *,
     scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
     """Pseudo-Huber (Charbonnier) loss, ``2c(sqrt(d^2 + c^2) - c)`` per element for
     d = input - target, as diffusers' scheduled-Huber training computes it: about d^2
@@ -133,15 +159,7 @@ def pseudo_huber_loss(
     """
     if not isinstance(c, (numbers.Real, Tensor)) or isinstance(c, bool):
         raise TypeError(f"pseudo_huber_loss(): argument 'c' must be float or Tensor, not {type(c).__name__}")
-    if not isinstance(c, Tensor):
-        return _loss("pseudo_huber", input, target, None, None, reduction, c, weight, scale)
-    _check_reduction(reduction)
-    c = pseudo_huber.nan_where_not_positive(c)
-    if weight is not None or scale is not None:
-        return weighted.weighted_loss("pseudo_huber", 0.0, input, target, None, None, reduction, weight, scale,
-                                      lambda i, t, r: pseudo_huber_loss(i, t, c, reduction=r), fusable=False)
-    routing.warn_if_target_broadcasts(input, target)
-    return pseudo_huber.pseudo_huber_formula(input, target, c, reduction)
+    return _loss("pseudo_huber", input, target, None, None, reduction, c, weight, scale, dim, keepdim)
 
 
 def log_cosh_loss(
@@ -151,6 +169,8 @@ def log_cosh_loss(
     weight: Tensor | None = None,
     *,
     scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
     """Log-cosh loss, ``log(cosh(d))`` per element for d = input - target: about d^2 / 2
     near 0, about |d| - log 2 far from it; its gradient is tanh(d). fusedloss's own loss
@@ -159,7 +179,87 @@ def log_cosh_loss(
     ``weight`` and ``scale`` as in this module's docstring; a weighted mean divides by the
     weight's sum.
     """
-    return _loss("log_cosh", input, target, None, None, reduction, None, weight, scale)
+    return _loss("log_cosh", input, target, None, None, reduction, None, weight, scale, dim, keepdim)
+
+
+def quantile_loss(
+    input: Tensor,
+    target: Tensor,
+    quantiles: float | Sequence[float] | Tensor = 0.5,
+    reduction: str = "mean",
+    weight: Tensor | None = None,
+    *,
+    scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
+) -> Tensor:
+    """Quantile (pinball) loss, ``max(q (t - p), (q - 1) (t - p))`` per element for
+    prediction p = input and target t: the training loss of quantile regression and
+    probabilistic forecasting. fusedloss's own loss (PyTorch has none).
+
+    ``quantiles`` is one q in [0, 1] (fused), or a sequence or tensor of them that
+    broadcasts along ``input``'s last dimension: an input of shape (..., Q) with Q
+    quantiles, and a target of shape (..., 1) (``target[..., None]``), which broadcasts to
+    it. A sequence's values outside [0, 1] raise a ValueError; a tensor's give NaN losses
+    (checking them on the host would wait for the GPU). The gradient is autograd's of
+    ``torch.maximum`` in that formula: at p == t the mean of the two slopes, 1/2 - q. The
+    mean is over every element, quantiles included. The result has the operands' promoted
+    dtype (float32 under CUDA autocast). ``weight``, ``scale`` and ``dim`` as in this
+    module's docstring; a weighted mean divides by the weight's sum.
+    """
+    q = _as_quantiles(quantiles, input, target)
+    return _loss("quantile", input, target, None, None, reduction, q, weight, scale, dim, keepdim)
+
+
+def gaussian_nll_loss(
+    input: Tensor,
+    target: Tensor,
+    var: Tensor | float,
+    full: bool = False,
+    eps: float = 1e-6,
+    reduction: str = "mean",
+    *,
+    weight: Tensor | None = None,
+    scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
+) -> Tensor:
+    """Gaussian negative log-likelihood, as ``torch.nn.functional.gaussian_nll_loss``: its
+    values, dtypes, ``var`` shapes (the input's, one dimension fewer, or 1 in one
+    dimension) and gradients, the clamp at ``eps`` passing var's gradient through.
+
+    A ``var`` tensor on a GPU is not checked on the host: where it is negative, the loss
+    (and a mean or sum over it) is NaN, and nothing waits for the GPU, where PyTorch's
+    ``torch.any(var < 0)`` does. On the CPU, and for a float ``var``, PyTorch raises its
+    ValueError. ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this
+    module's docstring. Computed with torch operations.
+    """
+    return likelihood.gaussian_nll(input, target, var, full, eps, reduction, weight, scale, dim, keepdim)
+
+
+def poisson_nll_loss(
+    input: Tensor,
+    target: Tensor,
+    log_input: bool = True,
+    full: bool = False,
+    size_average: bool | None = None,
+    eps: float = 1e-8,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    *,
+    weight: Tensor | None = None,
+    scale: float | Tensor | None = None,
+    dim: Dims = None,
+    keepdim: bool = False,
+) -> Tensor:
+    """Poisson negative log-likelihood, as ``torch.nn.functional.poisson_nll_loss``:
+    ``exp(input) - target * input`` (``log_input``) or ``input - target * log(input + eps)``,
+    plus Stirling's approximation of ``log(target!)`` where ``target > 1`` if ``full``.
+    ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this module's
+    docstring. Computed with torch operations (PyTorch's own loss per element).
+    """
+    return likelihood.poisson_nll(input, target, log_input, full, size_average, eps, reduce, reduction, weight,
+                                  scale, dim, keepdim)
 
 
 def _loss(
@@ -172,16 +272,21 @@ def _loss(
     param: object,
     weight: Tensor | None,
     scale: float | Tensor | None,
+    dim: Dims = None,
+    keepdim: bool = False,
 ) -> Tensor:
-    """Every public function's one way: the param checked, then the weighted path, the fused
-    kernels, or PyTorch's loss (the formula, for a loss PyTorch has not)."""
+    """Every public function's one way: the param checked, then the reduction over ``dim``,
+    a tensor param's formula, the weighted path, the fused kernels, or PyTorch's loss (the
+    formula, for a loss PyTorch has not)."""
     row = LOSSES[name]
     weighted_call = weight is not None or scale is not None
     if not row.pytorch:
         _check_reduction(reduction)
     if row.param is None:
         param = 0.0
-    elif not (type(param) is float and param > 0):  # the usual case, checked before the ABCs, which cost more
+    elif isinstance(param, Tensor) and not row.pytorch:
+        param = _nan_where_invalid(row, param)
+    elif not (type(param) is float and 0 < param <= row.param_max):  # the usual case, before the costlier ABCs
         if not isinstance(param, numbers.Real) or (isinstance(param, bool) and not row.pytorch):
             if row.pytorch and not weighted_call:
                 return _unfused(row, input, target, size_average, reduce, reduction, param)  # PyTorch's conversion
@@ -189,8 +294,14 @@ def _loss(
         if not row.param_valid(param):
             if row.pytorch:
                 return _unfused(row, input, target, None, None, reduction, param)  # PyTorch's error
-            raise ValueError(f"fusedloss: {row.function} needs {row.param} > 0, got {param}")
+            domain = f"in [0, {row.param_max:g}]" if row.param_zero_valid else "> 0"
+            raise ValueError(f"fusedloss: {row.function} needs {row.param} {domain}, got {param}")
         param = float(param)
+    if dim is not None:
+        return _reduced_over(row, name, input, target, size_average, reduce, reduction, param, weight, scale, dim,
+                             keepdim)
+    if isinstance(param, Tensor):
+        return _with_tensor_param(row, name, input, target, reduction, param, weight, scale)
     kernel_loss = row.param_zero_is if param == 0.0 and row.param_zero_is else name
     if weighted_call:
         return weighted.weighted_loss(
@@ -199,6 +310,81 @@ def _loss(
     if not routing.kernels_apply(input, target):
         return _unfused(row, input, target, size_average, reduce, reduction, param)
     return routing.fused_loss(kernel_loss, param, input, target, size_average, reduce, reduction)
+
+
+def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, reduction: str, param: Tensor,
+                       weight: Tensor | None, scale: float | Tensor | None) -> Tensor:
+    """A loss whose param is a tensor (pseudo-Huber's c, quantiles): torch operations, as the
+    kernels take the param as a number."""
+    if weight is not None or scale is not None:
+        return weighted.weighted_loss(name, 0.0, input, target, None, None, reduction, weight, scale,
+                                      lambda i, t, r: _with_tensor_param(row, name, i, t, r, param, None, None),
+                                      fusable=False)
+    routing.warn_if_target_broadcasts(input, target, row)
+    if name == "pseudo_huber":  # its derivatives written out, in fewer passes than autograd's
+        return pseudo_huber.pseudo_huber_formula(input, target, param, reduction)
+    input, target = ops.as_computed(input, target, routing.under_autocast(input, target, input.device.type))
+    return row.reference(input, target, reduction, param)
+
+
+def _reduced_over(row: Loss, name: str, input: Tensor, target: Tensor, size_average: bool | None,
+                  reduce: bool | None, reduction: str, param: float | Tensor, weight: Tensor | None,
+                  scale: float | Tensor | None, dim: Dims, keepdim: bool) -> Tensor:
+    """The loss reduced over ``dim`` only: the loss per element (fused where the kernels
+    apply), then the weight, the reduction and the scale with torch operations."""
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    per_element = _loss(name, input, target, None, None, "none", param, None, None)
+    return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim, row.weighted_mean_over_count)
+
+
+def _nan_where_invalid(row: Loss, param: Tensor) -> Tensor:
+    """A tensor param's elements outside the param's domain as NaN: their losses are NaN,
+    never a plausible number, and nothing waits for the GPU to check them."""
+    if not param.is_floating_point():
+        param = param.to(torch.get_default_dtype())
+    return param.masked_fill(~row.param_valid(param), math.nan)
+
+
+def _as_quantiles(quantiles: object, input: Tensor, target: Tensor) -> float | Tensor:
+    """One quantile as a float (the kernels take it as a number); several as a tensor on
+    the operands' device that broadcasts to the loss's shape. A sequence, or a CPU tensor
+    for operands elsewhere, is checked on the host and kept on the device, so a step
+    copies nothing."""
+    if isinstance(quantiles, (bool, str, bytes)) or not isinstance(quantiles, (numbers.Real, Tensor, Sequence)):
+        raise TypeError(f"quantile_loss(): quantiles must be a float, a sequence of floats or a tensor, not "
+                        f"{type(quantiles).__name__}")
+    if isinstance(quantiles, numbers.Real):
+        return quantiles
+    if isinstance(quantiles, Tensor):
+        if quantiles.device == input.device or quantiles.requires_grad or input.device.type == "cpu":
+            shape = torch.broadcast_shapes(input.shape, target.shape)
+            if quantiles.dim() > len(shape) or any(q not in (1, s) for q, s in
+                                                    zip(reversed(quantiles.shape), reversed(shape))):
+                raise ValueError(f"quantile_loss(): quantiles of shape {tuple(quantiles.shape)} do not broadcast "
+                                 f"to the loss's shape {tuple(shape)}")
+            return quantiles
+        quantiles = quantiles.tolist() if quantiles.dim() else [quantiles.item()]
+    values = tuple(float(q) for q in quantiles)
+    if not values:
+        raise ValueError("quantile_loss(): quantiles is empty")
+    if not all(LOSSES["quantile"].param_valid(q) for q in values):
+        raise ValueError(f"fusedloss: quantile_loss needs quantiles in [0, 1], got {list(values)}")
+    if len(values) == 1:
+        return values[0]
+    last = torch.broadcast_shapes(input.shape, target.shape)[-1:] or (1,)
+    if len(values) != last[0]:
+        raise ValueError(f"quantile_loss(): {len(values)} quantiles for a loss whose last dimension is {last[0]}")
+    dtype = torch.float64 if torch.float64 in (input.dtype, target.dtype) else torch.float32
+    return _quantile_tensor(values, input.device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _quantile_tensor(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()  # copied without waiting for the GPU
+    return host.to(device, non_blocking=True)
 
 
 def _unfused(row: Loss, input: Tensor, target: Tensor, size_average: bool | None, reduce: bool | None,
@@ -213,7 +399,7 @@ def _unfused(row: Loss, input: Tensor, target: Tensor, size_average: bool | None
     if not (input.is_floating_point() and target.is_floating_point()):
         raise TypeError(f"{row.function}(): input and target must be floating point, not {input.dtype} and "
                         f"{target.dtype}")
-    routing.warn_if_target_broadcasts(input, target)
+    routing.warn_if_target_broadcasts(input, target, row)
     input, target = ops.as_computed(input, target, routing.under_autocast(input, target, input.device.type))
     return row.reference(input, target, reduction, param)
 

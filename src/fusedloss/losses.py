@@ -30,26 +30,34 @@ class Loss:
     gradient: Callable[[Tensor, float], Tensor]
     # PyTorch has this loss, under the same function and module names
     pytorch: bool = False
-    # the keyword of the loss's number (beta, delta, c), its default, and whether 0 is allowed
+    # the keyword of the loss's number (beta, delta, c, quantiles) and its default
     param: str | None = None
     param_default: float = 1.0
-    # the loss that a param of 0 is, as Smooth L1 with beta = 0 is L1; without one, 0 is invalid
+    # the loss that a param of 0 is, as Smooth L1 with beta = 0 is L1
     param_zero_is: str | None = None
+    # the param's domain: 0 < value <= param_max, and 0 too where param_zero_is names a
+    # loss or param_zero_valid says 0 is this loss's own (a quantile's [0, 1])
+    param_max: float = math.inf
+    param_zero_valid: bool = False
     # PyTorch returns the input's dtype, not the promoted one (kOutputHasInputDtype)
     keeps_input_dtype: bool = False
     # PyTorch's CUDA backward computes each gradient in its operand's dtype (kGradInOwnDtype)
     gradient_in_own_dtype: bool = False
     # a weighted mean divides by the element count, not the weight's sum (PyTorch's weighted Huber)
     weighted_mean_over_count: bool = False
+    # a target of another shape draws PyTorch's warning; not where broadcasting it is the
+    # loss's use (a quantile loss's target[..., None] against Q quantiles)
+    warns_on_broadcast: bool = True
 
     @property
     def torch_function(self) -> Callable[..., Tensor] | None:
         """torch.nn.functional's function for this loss, where PyTorch has it."""
         return getattr(F, self.function) if self.pytorch else None
 
-    def param_valid(self, value: float) -> bool:
-        """The param's domain (NaN is outside it)."""
-        return value > 0 or (value == 0 and self.param_zero_is is not None)
+    def param_valid(self, value: float | Tensor) -> bool | Tensor:
+        """Whether the param lies in its domain (NaN does not); elementwise for a tensor."""
+        low = value >= 0 if self.param_zero_is is not None or self.param_zero_valid else value > 0
+        return low & (value <= self.param_max)
 
 
 # The Python side of the table of losses; csrc/losses.cuh holds the CUDA side,
@@ -91,6 +99,12 @@ LOSSES: dict[str, Loss] = {
         lambda i, t, reduction, _: reduced(log_cosh_elementwise(i, t), reduction),
         lambda d, _: torch.tanh(d),
     ),
+    "quantile": Loss(
+        "quantile_loss", "QuantileLoss",
+        lambda i, t, reduction, q: reduced(quantile_elementwise(i, t, q), reduction),
+        lambda d, q: quantile_gradient(d, q),
+        param="quantiles", param_default=0.5, param_max=1.0, param_zero_valid=True, warns_on_broadcast=False,
+    ),
 }
 
 
@@ -123,6 +137,27 @@ def log_cosh_elementwise(input: Tensor, target: Tensor) -> Tensor:
     near = torch.log1p(m * m / (2 * (1 + m)))
     far = z + torch.log1p(torch.exp(-2 * z)) - math.log(2)
     return torch.where(z <= 1, near, far).to(d.dtype)
+
+
+def quantile_elementwise(input: Tensor, target: Tensor, q: float | Tensor) -> Tensor:
+    """The pinball loss max((q - 1) e, q e) of e = target - input, in at least float32, as
+    the kernels compute it; q a float or a tensor that broadcasts to the loss's shape (one
+    quantile per element of the last dimension). Returned in the promoted dtype of the
+    operands, broadcast first."""
+    input, target = torch.broadcast_tensors(input, target)
+    e = target - input
+    x = e.to(torch.promote_types(e.dtype, torch.float32))
+    q = q.to(torch.promote_types(q.dtype, x.dtype)) if isinstance(q, Tensor) else torch.tensor(q, dtype=x.dtype)
+    return torch.maximum((q - 1) * x, q * x).to(e.dtype)
+
+
+def quantile_gradient(d: Tensor, q: float) -> Tensor:
+    """d loss / d input as autograd differentiates torch.maximum((q - 1) e, q e) of e = -d:
+    1 - q where the first branch is larger, -q where the second is, the mean 1/2 - q at a
+    tie, and both slopes, 1 - 2q, where they do not compare (NaN, 0 * inf)."""
+    above, below = (1 - q) * d, q * -d
+    tie_or_nan = torch.where(above == below, 0.5 - q, torch.full_like(d, 1 - 2 * q))
+    return torch.where(above > below, 1 - q, torch.where(above < below, -q, tie_or_nan))
 
 
 def reduced(per_element: Tensor, reduction: str) -> Tensor:

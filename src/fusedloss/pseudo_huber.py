@@ -3,8 +3,6 @@ fused kernels take c as a number)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 from torch.overrides import has_torch_function_variadic
@@ -66,14 +64,6 @@ class PseudoHuberWithTensorC(torch.autograd.Function):
 
 def _bounded(root: Tensor) -> Tensor:
     return root.clamp(max=torch.finfo(root.dtype).max)
-
-
-def nan_where_not_positive(c: Tensor) -> Tensor:
-    """A tensor c's elements that are not > 0 as NaN: their losses are NaN, never a
-    plausible number, and nothing waits for the GPU to check them."""
-    if not c.is_floating_point():
-        c = c.to(torch.get_default_dtype())
-    return c.masked_fill(~(c > 0), math.nan)
 
 
 def pseudo_huber_formula(input: Tensor, target: Tensor, c: float | Tensor, reduction: str = "none") -> Tensor:

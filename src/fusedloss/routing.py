@@ -13,6 +13,7 @@ from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
 from . import build, grad_output_prediction, ops
+from .losses import LOSSES, Loss
 
 _reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
 _pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
@@ -75,9 +76,9 @@ def under_a_transform() -> bool:
     return forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
 
 
-def warn_if_target_broadcasts(input: Tensor, target: Tensor) -> None:
-    """torch.nn.functional's warning, pointed at the user's call."""
-    if target.shape != input.shape:
+def warn_if_target_broadcasts(input: Tensor, target: Tensor, row: Loss) -> None:
+    """torch.nn.functional's warning, pointed at the user's call, for the losses that give it."""
+    if target.shape != input.shape and row.warns_on_broadcast:
         warnings.warn(
             f"Using a target size ({target.size()}) that is different to the input size ({input.size()}). "
             "This will likely lead to incorrect results due to broadcasting. "
@@ -105,7 +106,7 @@ def fused_loss(
     Every call of a small loss pays for this function's work, so it compares shapes once."""
     same_shape = target.shape == input.shape
     if not same_shape:
-        warn_if_target_broadcasts(input, target)
+        warn_if_target_broadcasts(input, target, LOSSES[loss])
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     mode = reduction if reduction in MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]

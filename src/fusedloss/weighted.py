@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
@@ -13,30 +12,11 @@ from torch import Tensor
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import build, formulas, grad_output_prediction, ops, routing
+from . import build, formulas, grad_output_prediction, ops, reductions, routing
 from .losses import LOSSES, Loss
 
 _weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
 _NO_WEIGHTED_GRADIENTS = [False, False, False]
-
-
-def _weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
-    """Raises unless the weight broadcasts to the loss's shape without widening it."""
-    fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
-    if not fits:
-        raise ValueError(f"fusedloss: a weight of shape {tuple(weight.shape)} does not broadcast to the loss's "
-                         f"shape {tuple(shape)}")
-
-
-def _check_scale(scale: float | Tensor | None) -> None:
-    if isinstance(scale, Tensor):
-        if scale.is_complex():
-            raise TypeError(f"fusedloss: scale must be a real number or a real 0-d tensor, not a {scale.dtype} tensor")
-        if scale.dim() != 0:
-            raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape "
-                             f"{tuple(scale.shape)}")
-    elif scale is not None and not isinstance(scale, numbers.Real):
-        raise TypeError(f"fusedloss: scale must be a real number or a 0-d tensor, not {type(scale).__name__}")
 
 
 def _needs_grad(t: Tensor | float | None) -> bool:
@@ -80,7 +60,7 @@ def weighted_loss(
     """A loss given weight= or scale= (see the public functions): one fused pass where the
     kernels routing.apply, else torch operations around `unweighted` (the loss with reduction='none').
     `torch_weighted` is torch.nn.functional's own weighted loss, where PyTorch has one."""
-    _check_scale(scale)
+    reductions.check_scale(scale)
     # PyTorch's own weighted loss (a weight of the input's size): its values, errors and
     # mean, whose denominator sums the weight as given, also where the target broadcasts it.
     pytorch_case = (torch_weighted is not None and isinstance(weight, Tensor) and weight.size() == input.size())
@@ -88,7 +68,7 @@ def weighted_loss(
         reduction = _reduction.legacy_get_string(size_average, reduce)
     shape = input.shape if target.shape == input.shape else torch.broadcast_shapes(input.shape, target.shape)
     if weight is not None:
-        _weight_broadcasts(weight, shape)
+        reductions.check_weight_broadcasts(weight, shape)
     if reduction not in routing.MODES:
         raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
     if fusable and reduction != "none" and routing.kernels_apply(input, target):
@@ -117,10 +97,10 @@ def weighted_loss(
 def _expanded_sum(weight: Tensor, shape: torch.Size, like: Tensor) -> Tensor:
     """The sum of the weight expanded to `shape`, without expanding it, in `like`'s dtype."""
     multiplicity = shape.numel() // weight.numel() if weight.numel() else 0
-    return (_weight_sum(weight, like.dtype) * multiplicity).to(like.dtype)
+    return (weight_sum(weight, like.dtype) * multiplicity).to(like.dtype)
 
 
-def _weight_sum(weight: Tensor, loss_dtype: torch.dtype) -> Tensor:
+def weight_sum(weight: Tensor, loss_dtype: torch.dtype) -> Tensor:
     """A weighted mean's divisor, the weight's sum as it lies: below a float64 loss, in
     float32 as PyTorch sums it, which reads a 16- or 32-bit weight where it lies (a float64
     sum would copy it first); a mask of integers is counted exactly."""
@@ -141,7 +121,7 @@ def _fused_weighted_loss(
     loss_dtype: torch.dtype,
     pytorch_case: bool,
 ) -> Tensor:
-    routing.warn_if_target_broadcasts(input, target)
+    routing.warn_if_target_broadcasts(input, target, LOSSES[loss])
     numel = shape.numel()
     # A weight that widens the loss's dtype (bf16 operands, a float32 weight) makes it
     # float32: the autocast kernels' math, which reads 16-bit operands as float32.
@@ -159,12 +139,12 @@ def _fused_weighted_loss(
             host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
         elif pytorch_case:
             # The weight as given, also where the target broadcasts the loss to nothing.
-            divisor = _weight_sum(weight, result_dtype)
+            divisor = weight_sum(weight, result_dtype)
         elif numel == 0:
             host_scale = math.nan
         else:
             # The sum of the weight expanded to the loss's shape, without expanding it.
-            divisor = _weight_sum(weight, result_dtype)
+            divisor = weight_sum(weight, result_dtype)
             host_scale /= numel // weight.numel()
     output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():

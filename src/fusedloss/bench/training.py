@@ -13,6 +13,9 @@ its 2^30 rows (``--only-latency`` runs it alone, ``--no-latency`` skips it).
   read target + write grad_input in the operands' own dtypes, so autocast's float32
   copies are traffic each system adds as it chooses. %copy refers to a 2 GiB
   device-to-device copy timed in the same row.
+- Rows for the losses beyond MSE (other_losses.py): the quantile, log-cosh, Gaussian
+  and Poisson NLL losses, per-sample means over ``dim`` and tensor parameters, each
+  against the formula users write or F's loss.
 - Model rows: a small conv net + MSE compiled whole (fullgraph=True) with F.mse_loss
   and with fusedloss.mse_loss, and eager F: device time of forward + backward; no
   bytes counted, as the convolutions move most of them. A second compilation of the
@@ -36,6 +39,7 @@ from torch import Tensor, nn
 
 import fusedloss
 
+from . import other_losses
 from .timing import (dtype_name, fresh_compile, progress, device_copy, seed_inputs, time_side_by_side,
                     turn_order)
 
@@ -328,6 +332,35 @@ def per_sample_rows(shape: tuple[int, ...] = (64, 16, 256, 256)) -> list[dict]:
     return rows
 
 
+def case_row(case: other_losses.Case, wall: bool = False) -> dict:
+    """A step of fusedloss, eager and compiled eager: device time with TB/s and %copy, or
+    wall time (ms) for a step small enough that the host sets its pace."""
+    systems = {"fused": case.fused, "eager": case.eager, "compile": fresh_compile(case.eager)}
+    values = {name: fn(case.p, case.t).detach() for name, fn in systems.items()}
+    steps = {name: _step(fn, case.p, case.t) for name, fn in systems.items()}
+    if wall:
+        times = {name: us / 1e3 for name, us in wall_us(steps).items()}
+        row = {"label": case.label + " (wall)", **times, "tbs": math.nan, "copy_tbs": math.nan,
+               "note": _loss_note(values), "others": {}}
+    else:
+        row = _device_row(case.label, steps, case.nbytes, _loss_note(values))
+    case.p.grad = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def other_loss_rows() -> list[dict]:
+    """The quantile, log-cosh, Gaussian and Poisson NLL losses, dim= and tensor parameters."""
+    torch.manual_seed(0)
+    small = other_losses.quantile_cases() + other_losses.elementwise_cases(2**20, torch.float32)
+    small += other_losses.tensor_param_cases()
+    rows = [case_row(case, wall=True) for case in progress(small, len(small), "small steps")]
+    large = [other_losses.per_sample_case()]
+    large += other_losses.elementwise_cases(2**26, torch.float32) + other_losses.elementwise_cases(2**28, torch.bfloat16)
+    rows += [case_row(case) for case in progress(large, len(large), "large steps")]
+    return rows
+
+
 def _model_loss(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor],
                 autocast: bool) -> Callable[[Tensor, Tensor], Tensor]:
     def model_loss(images: Tensor, labels: Tensor) -> Tensor:
@@ -396,6 +429,10 @@ def run_all(out_dir: Path, exponents: Iterable[int] | None = None) -> None:
         report(f"latency written to {out_dir / 'latency.csv'} (no matplotlib: no plot)")
     report("\nTraining steps, device time (CUDA events); AMP rows: fused/eager/compile all under autocast")
     report(_format_device(amp_rows() + [quarter_loss_row()] + per_sample_rows()))
+    report.save()
+    report("\nLosses beyond MSE, steps: device time (TB/s counts each operand read and the input's gradient "
+           "written), or wall time where marked; eager is the formula users write, or F's loss")
+    report(_format_device(other_loss_rows()))
     report.save()
     report("\nConv net + MSE, forward + backward, device time: fused = compiled whole (fullgraph=True) with "
            "fusedloss.mse_loss, compile = the same with F.mse_loss, eager = F uncompiled")

@@ -35,7 +35,7 @@ void with_input_dtype(DType dtype, F&& f) {
 
 template <class F>
 void with_loss(LossKind loss, F&& f) {
-#define FUSEDLOSS_LOSS_CASE(Name, name, param) \
+#define FUSEDLOSS_LOSS_CASE(Name, name, param, domain) \
   case LossKind::k##Name: f(Name##Loss{}); break;
   switch (loss) { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_CASE) }
 #undef FUSEDLOSS_LOSS_CASE

@@ -68,20 +68,23 @@ inline std::string to_string(const Shape& shape) {
 }
 
 inline LossKind parse_loss(const std::string& name) {
-#define FUSEDLOSS_PARSE_LOSS(Name, text, param) \
+#define FUSEDLOSS_PARSE_LOSS(Name, text, param, domain) \
   if (name == text) return LossKind::k##Name;
   FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARSE_LOSS)
 #undef FUSEDLOSS_PARSE_LOSS
   STD_TORCH_CHECK(false, "fusedloss: unknown loss '", name, "'");
 }
 
-// The name of the loss's parameter, which must be > 0, or "" when it takes none.
-inline const char* param_name(LossKind kind) {
-#define FUSEDLOSS_PARAM_NAME(Name, text, param) \
-  if (kind == LossKind::k##Name) return param;
-  FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_PARAM_NAME)
-#undef FUSEDLOSS_PARAM_NAME
-  return "";
+// Raises unless the loss takes no parameter or `param` lies in its domain.
+inline void check_param(LossKind kind, const std::string& loss, double param) {
+#define FUSEDLOSS_CHECK_PARAM(Name, text, name, domain)                                                  \
+  if (kind == LossKind::k##Name && name[0] != '\0') {                                                    \
+    const bool positive = ParamDomain::domain == ParamDomain::kPositive;                                  \
+    STD_TORCH_CHECK(positive ? param > 0 : (param >= 0 && param <= 1), "fusedloss: ", loss, " needs ", name, \
+                    positive ? " > 0" : " in [0, 1]", ", got ", param);                                  \
+  }
+  FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_CHECK_PARAM)
+#undef FUSEDLOSS_CHECK_PARAM
 }
 
 inline bool parse_mean(const std::string& reduction) {
@@ -229,9 +232,7 @@ inline Operands prepare(const Tensor& input_as_given, const Tensor& target_as_gi
   STD_TORCH_CHECK(input.is_cuda() && same_device(input, target),
                   "fusedloss: input and target must be on the same CUDA device");
   const LossKind kind = parse_loss(loss);
-  const char* param_needed = param_name(kind);
-  STD_TORCH_CHECK(param_needed[0] == '\0' || param > 0, "fusedloss: ", loss, " needs ", param_needed, " > 0, got ",
-                  param);
+  check_param(kind, loss, param);
   // PyTorch computes Huber in the input's dtype (the target is converted to it),
   // the other losses in the promoted dtype.
   const ScalarType common = reads_directly             ? ScalarType::Float

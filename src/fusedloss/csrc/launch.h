@@ -30,9 +30,12 @@
 
 namespace fusedloss {
 
-#define FUSEDLOSS_LOSS_KIND(Name, name, param) k##Name,
+#define FUSEDLOSS_LOSS_KIND(Name, name, param, domain) k##Name,
 enum class LossKind : int { FUSEDLOSS_FOR_EACH_LOSS(FUSEDLOSS_LOSS_KIND) };
 #undef FUSEDLOSS_LOSS_KIND
+
+// Where a loss's parameter may lie (the last column of losses.cuh's table).
+enum class ParamDomain : int { kPositive, kUnitInterval };
 
 enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 

@@ -5,15 +5,17 @@
 // fusedloss/functional.py (the Python side of the same table).
 #pragma once
 
-// X(Name, "name", "param"): the struct Name##Loss below, called "name" from
-// Python, and the name of its parameter, which must be > 0 ("": none).
-#define FUSEDLOSS_FOR_EACH_LOSS(X)         \
-  X(Mse, "mse", "")                        \
-  X(L1, "l1", "")                          \
-  X(SmoothL1, "smooth_l1", "beta")         \
-  X(Huber, "huber", "delta")               \
-  X(PseudoHuber, "pseudo_huber", "c")      \
-  X(LogCosh, "log_cosh", "")
+// X(Name, "name", "param", domain): the struct Name##Loss below, called "name"
+// from Python, the name of its parameter ("": none), and the parameter's domain
+// (ParamDomain in launch.h): kPositive, > 0, or kUnitInterval, from 0 to 1.
+#define FUSEDLOSS_FOR_EACH_LOSS(X)                          \
+  X(Mse, "mse", "", kPositive)                              \
+  X(L1, "l1", "", kPositive)                                \
+  X(SmoothL1, "smooth_l1", "beta", kPositive)               \
+  X(Huber, "huber", "delta", kPositive)                     \
+  X(PseudoHuber, "pseudo_huber", "c", kPositive)            \
+  X(LogCosh, "log_cosh", "", kPositive)                     \
+  X(Quantile, "quantile", "quantiles", kUnitInterval)
 
 #ifdef __CUDACC__
 
@@ -154,6 +156,34 @@ struct LogCoshLoss {
   }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return tanh(d); }
+};
+
+// The pinball loss of quantile q (0 <= q <= 1), torch.maximum((q - 1) * e, q * e) of
+// e = target - input = -d: (1 - q) d above the target, -q d below. Both branches are
+// computed and compared as torch.maximum compares them, so that NaN (0 * inf included) and
+// the gradient land where autograd puts them: at a tie the mean of the two slopes, 1/2 - q,
+// and where they do not compare (NaN) both, 1 - 2q.
+template <typename T>
+struct PinballBranches {
+  T above, below;
+  __device__ __forceinline__ PinballBranches(T d, T q) : above((T(1) - q) * d), below(q * -d) {}
+};
+
+struct QuantileLoss {
+  static constexpr bool kOutputHasInputDtype = false;
+  static constexpr bool kGradInOwnDtype = false;
+  template <typename Out, typename T>
+  __device__ __forceinline__ static T value(T d, LossParam<T> q) {
+    const PinballBranches<T> p(d, q.value);
+    return isnan(p.above) || isnan(p.below) ? p.above + p.below : (p.above > p.below ? p.above : p.below);
+  }
+  template <typename T>
+  __device__ __forceinline__ static T grad(T d, LossParam<T> q) {
+    const PinballBranches<T> p(d, q.value);
+    if (p.above > p.below) return T(1) - q.value;
+    if (p.above < p.below) return -q.value;
+    return p.above == p.below ? T(0.5) - q.value : T(1) - (q.value + q.value);
+  }
 };
 
 // A loss as CUDA autocast computes it (these losses are on its float32 list):

@@ -1,0 +1,94 @@
+"""A loss per element reduced as the public functions' ``reduction``, ``weight``,
+``scale`` and ``dim`` ask, with torch operations (``functional``'s docstring has the rules)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+# the dimensions a loss is reduced over: one, several, or None for all of them
+Dims = int | Sequence[int] | None
+
+
+def check_weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
+    """Raises unless the weight broadcasts to the loss's shape without widening it."""
+    fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
+    if not fits:
+        raise ValueError(f"fusedloss: a weight of shape {tuple(weight.shape)} does not broadcast to the loss's "
+                         f"shape {tuple(shape)}")
+
+
+def check_scale(scale: float | Tensor | None) -> None:
+    if isinstance(scale, Tensor):
+        if scale.is_complex():
+            raise TypeError(f"fusedloss: scale must be a real number or a real 0-d tensor, not a {scale.dtype} tensor")
+        if scale.dim() != 0:
+            raise ValueError(f"fusedloss: scale is a number or a 0-d tensor, got a tensor of shape "
+                             f"{tuple(scale.shape)}")
+    elif scale is not None and not isinstance(scale, numbers.Real):
+        raise TypeError(f"fusedloss: scale must be a real number or a 0-d tensor, not {type(scale).__name__}")
+
+
+def as_dims(dim: Dims, ndim: int) -> tuple[int, ...]:
+    """``dim`` as sorted non-negative dimensions, with torch's errors for one out of range
+    or named twice (a 0-d loss has the one dimension 0, as torch.sum gives it)."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not dims:
+        raise ValueError("fusedloss: dim= names no dimension; leave it out to reduce over all of them")
+    rank = max(ndim, 1)
+    wrapped = []
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise TypeError(f"fusedloss: dim must be an int or a sequence of ints, got {type(d).__name__}")
+        if not -rank <= d < rank:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {d})")
+        wrapped.append(d % rank)
+    if len(set(wrapped)) != len(wrapped):
+        raise RuntimeError(f"dim {wrapped[0]} appears multiple times in the list of dims")
+    return tuple(sorted(wrapped)) if ndim else ()
+
+
+def reduce(per_element: Tensor, reduction: str, weight: Tensor | None, scale: float | Tensor | None,
+           dim: Dims = None, keepdim: bool = False, mean_over_count: bool = False) -> Tensor:
+    """The loss per element times the weight, summed or averaged over ``dim`` (every
+    dimension for None), times the scale. A weighted mean divides by the weight summed as
+    if expanded to the loss's shape, or by the count where ``mean_over_count`` (Huber's)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if dim is not None and reduction == "none":
+        raise ValueError(f"fusedloss: dim= reduces the loss, so reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_scale(scale)
+    shape = per_element.shape
+    out = per_element
+    if weight is not None:
+        check_weight_broadcasts(weight, shape)
+        if weight.is_floating_point():
+            out = out.to(torch.promote_types(out.dtype, weight.dtype))
+        out = out * weight
+    if reduction != "none":
+        dims = tuple(range(len(shape))) if dim is None else as_dims(dim, len(shape))
+        out = out.sum(dims, keepdim=True)
+        if reduction == "mean":
+            if weight is None or mean_over_count:
+                out = out / math.prod(shape[d] for d in dims)
+            else:
+                out = out / _expanded_sum_over(weight, shape, dims).to(out.dtype)
+        if dim is None or not keepdim:
+            out = out.reshape(()) if dim is None else out.squeeze(dims)
+    if scale is None:
+        return out
+    return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
+
+
+def _expanded_sum_over(weight: Tensor, shape: torch.Size, dims: tuple[int, ...]) -> Tensor:
+    """The weight as if expanded to `shape`, summed over `dims` (kept), without expanding it:
+    its own sum where it spans a dimension, times the size where it broadcasts along one."""
+    aligned = weight.reshape((1,) * (len(shape) - weight.dim()) + tuple(weight.shape))
+    spanned = tuple(d for d in dims if aligned.shape[d] != 1)
+    summed = aligned.sum(spanned, keepdim=True, dtype=None if weight.is_floating_point() else torch.float64) \
+        if spanned else aligned
+    return summed * math.prod(shape[d] for d in dims if aligned.shape[d] == 1)
