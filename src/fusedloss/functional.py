@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -303,6 +304,8 @@ def _loss(
     if isinstance(param, Tensor):
         return _with_tensor_param(row, name, input, target, reduction, param, weight, scale)
     kernel_loss = row.param_zero_is if param == 0.0 and row.param_zero_is else name
+    if _holds_a_dtensor(input, target):
+        return _sharded(row, name, kernel_loss, input, target, size_average, reduce, reduction, param, weight, scale)
     if weighted_call:
         return weighted.weighted_loss(
             kernel_loss, param, input, target, size_average, reduce, reduction, weight, scale,
@@ -310,6 +313,32 @@ def _loss(
     if not routing.kernels_apply(input, target):
         return _unfused(row, input, target, size_average, reduce, reduction, param)
     return routing.fused_loss(kernel_loss, param, input, target, size_average, reduce, reduction)
+
+
+def _holds_a_dtensor(input: Tensor, target: Tensor) -> bool:
+    """Whether an operand is a DTensor (none can be before torch.distributed.tensor is imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and (isinstance(input, dtensor) or isinstance(target, dtensor))
+
+
+def _sharded(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tensor, size_average: bool | None,
+             reduce: bool | None, reduction: str, param: float, weight: Tensor | None,
+             scale: float | Tensor | None) -> Tensor:
+    """DTensor operands: each rank's fused kernels on its shards where ``sharding`` takes
+    them, else PyTorch's operations, which DTensor shards itself."""
+    from . import sharding  # imported with the first DTensor: it registers the operators' rules
+
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    if sharding.applies(input, target, weight, scale):
+        return sharding.sharded_loss(kernel_loss, param, input, target, reduction, weight, scale)
+    weight, scale = reductions.beside(weight, input), reductions.beside(scale, input)
+    if weight is not None or scale is not None:
+        return weighted.weighted_loss(kernel_loss, param, input, target, None, None, reduction, weight, scale,
+                                      lambda i, t, r: _unfused(row, i, t, None, None, r, param),
+                                      weighted.TORCH_WEIGHTED.get(name), fusable=False)
+    return _unfused(row, input, target, None, None, reduction, param)
 
 
 def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, reduction: str, param: Tensor,

@@ -62,6 +62,7 @@ def reduce(per_element: Tensor, reduction: str, weight: Tensor | None, scale: fl
     if dim is not None and reduction == "none":
         raise ValueError(f"fusedloss: dim= reduces the loss, so reduction must be 'mean' or 'sum', got {reduction!r}")
     check_scale(scale)
+    weight, scale = beside(weight, per_element), beside(scale, per_element)
     shape = per_element.shape
     out = per_element
     if weight is not None:
@@ -82,6 +83,17 @@ def reduce(per_element: Tensor, reduction: str, weight: Tensor | None, scale: fl
     if scale is None:
         return out
     return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
+
+
+def beside(operand: object, loss: Tensor) -> object:
+    """A plain tensor beside a DTensor loss, as a DTensor replicated on its mesh (DTensor
+    takes no plain tensor beside its own); anything else as it is."""
+    mesh = getattr(loss, "device_mesh", None)
+    if mesh is None or not isinstance(operand, Tensor) or hasattr(operand, "device_mesh"):
+        return operand
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(operand, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _expanded_sum_over(weight: Tensor, shape: torch.Size, dims: tuple[int, ...]) -> Tensor:

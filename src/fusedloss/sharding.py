@@ -1,0 +1,165 @@
+"""DTensor: a sharding rule for each fused operator, and the route that sends DTensor
+operands through them, so that each rank runs the fused kernels on its own shards.
+
+A rule offers, for each dimension of the loss's shape, the strategy that shards the loss
+along it: an operand that spans that dimension is sharded along its own matching
+dimension, one that broadcasts along it (a per-channel weight, a 0-d scale) is
+replicated, a per-element result is sharded like the loss, and a reduced one is a
+partial sum. DTensor picks the strategy that moves the least, redistributing the
+operands to it; all-replicated is always among them.
+
+A mean over shards is not a mean of the shards' means when they are uneven, so the
+route computes every mean as a sum scaled by one over the global count (or divided by
+the global weight sum), which ``weighted_loss`` takes as ``host_scale`` and
+``divisor``: its partial results add up to the global mean. ``reduced_loss`` and its
+backward, whose mean divides by the local count, offer sharded strategies for sums
+only. The in-place backward operators only ever see plain tensors (the forward's own
+gradients, which a DTensor's forward does not write) and have no rule; the composite
+ones (``loss_gradients``, ``weighted_loss_gradients``) decompose into operations
+DTensor already shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+from . import formulas, ops, reductions, routing, weighted
+from .losses import LOSSES
+
+_OPS = torch.ops.fusedloss
+
+
+def _placement(operand, loss_ndim: int, dim: int):
+    """An operand's placement when the loss is sharded along `dim`: sharded along its own
+    matching dimension where it spans it, replicated where it broadcasts (None: absent)."""
+    if operand is None:
+        return None
+    own = dim - (loss_ndim - operand.ndim)
+    if own < 0 or operand.shape[own] == 1:
+        return Replicate()
+    return Shard(own)
+
+
+def _strategies(operands: list, loss_shape: torch.Size, outputs: list[str], sharded: bool = True) -> list:
+    """[(output placements, input placements)]: all replicated, and, where `sharded`, the
+    loss sharded along each dimension. `operands` holds each argument's spec, None for a
+    non-tensor; `outputs` each output's kind: "loss" (per element of the loss's shape),
+    "sum" (a partial sum), "empty" (a gradient not asked for) or "replicate"."""
+    replicated_inputs = [None if spec is None else Replicate() for spec in operands]
+    strategies = [([Replicate()] * len(outputs), replicated_inputs)]
+    if not sharded:
+        return strategies
+    for dim in range(len(loss_shape)):
+        if loss_shape[dim] == 1:
+            continue
+        output_placements = [{"loss": Shard(dim), "sum": Partial(), "empty": Replicate(),
+                              "replicate": Replicate()}[kind] for kind in outputs]
+        strategies.append((output_placements, [_placement(spec, len(loss_shape), dim) for spec in operands]))
+    return strategies
+
+
+def _shape(*specs) -> torch.Size:
+    return torch.broadcast_shapes(*(spec.shape for spec in specs if spec is not None))
+
+
+def _gradients(output_mask) -> list[str]:
+    return ["loss" if wanted else "empty" for wanted in output_mask]
+
+
+@register_sharding(_OPS.pointwise_loss.default)
+def _pointwise_loss(input, target, loss, param, autocast=False):
+    return _strategies([input, target, None, None, None], _shape(input, target), ["loss"])
+
+
+@register_sharding([_OPS.pointwise_loss_backward.default, _OPS.pointwise_loss_backward_broadcast.default])
+def _pointwise_loss_backward(grad_output, input, target, loss, param, output_mask, autocast=False):
+    return _strategies([grad_output, input, target, None, None, None, None], _shape(input, target),
+                       _gradients(output_mask))
+
+
+@register_sharding(_OPS.reduced_loss.default)
+def _reduced_loss(input, target, loss, param, reduction, output_mask, expected_grad_output=1.0, autocast=False):
+    return _strategies([input, target] + [None] * 6, _shape(input, target), ["sum", *_gradients(output_mask)],
+                       sharded=reduction == "sum")
+
+
+@register_sharding(_OPS.reduced_loss_backward.default)
+def _reduced_loss_backward(grad_output, input, target, loss, param, reduction, output_mask, history_slot=-1,
+                           expected_grad_output=1.0, autocast=False):
+    return _strategies([grad_output, input, target] + [None] * 7, _shape(input, target), _gradients(output_mask),
+                       sharded=reduction == "sum")
+
+
+@register_sharding(_OPS.weighted_loss.default)
+def _weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
+                   expected_grad_output=1.0, autocast=False):
+    return _strategies([input, target, weight, scale, divisor] + [None] * 6, _shape(input, target),
+                       ["sum", *_gradients(output_mask)])
+
+
+@register_sharding(_OPS.weighted_loss_backward.default)
+def _weighted_loss_backward(grad_output, input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
+                            history_slot=-1, expected_grad_output=1.0, autocast=False):
+    return _strategies([grad_output, input, target, weight, scale, divisor] + [None] * 7, _shape(input, target),
+                       _gradients(output_mask))
+
+
+def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None) -> bool:
+    """DTensor operands on one mesh, sharded or replicated, whose local shards the fused
+    kernels take; a weight and a scale that are DTensors on that mesh, plain tensors
+    (taken as replicated) or absent. Anything else goes to torch.nn.functional, which
+    DTensor shards itself."""
+    if not (isinstance(input, DTensor) and isinstance(target, DTensor) and input.device_mesh == target.device_mesh):
+        return False
+    if any(not isinstance(p, (Shard, Replicate)) for t in (input, target) for p in t.placements):
+        return False
+    for extra in (weight, scale):
+        if isinstance(extra, DTensor) and extra.device_mesh != input.device_mesh:
+            return False
+        if isinstance(extra, Tensor) and extra.requires_grad and not isinstance(extra, DTensor):
+            return False  # a plain tensor's gradient cannot come back from DTensor's
+    return routing.kernels_apply(input.to_local(), target.to_local())
+
+
+def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
+                 scale: float | Tensor | None) -> DTensor:
+    """The loss on DTensor operands (``applies``): each rank's fused kernels on its shards.
+    A mean or sum is a partial sum of the global result (every mean scaled by the global
+    count or weight sum), reduced across the mesh before it is returned; ``'none'`` is
+    sharded like the loss."""
+    if reduction not in routing.MODES:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    reductions.check_scale(scale)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    routing.warn_if_target_broadcasts(input, target, LOSSES[loss])
+    mesh = input.device_mesh
+    replicated = [Replicate()] * mesh.ndim
+    weight, scale = reductions.beside(weight, input), reductions.beside(scale, input)
+    autocast = routing.under_autocast(input, target)
+    if reduction == "none":
+        out = ops.PointwiseLoss.apply(input, target, loss, param, autocast)
+        return reductions.reduce(out, "none", weight, scale)
+    if weight is not None:
+        reductions.check_weight_broadcasts(weight, shape)
+    host_scale, divisor = 1.0, None
+    numel = math.prod(shape)
+    if reduction == "mean":
+        if weight is None or LOSSES[loss].weighted_mean_over_count:
+            host_scale = 1 / numel if numel else math.nan
+        else:
+            loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
+            divisor = weighted.weight_sum(weight, loss_dtype) * (numel // weight.numel() if weight.numel() else 0)
+            divisor = divisor.redistribute(mesh, replicated)
+    scale_needs_grad = isinstance(scale, Tensor) and scale.requires_grad and torch.is_grad_enabled()
+    if isinstance(scale, (int, float)):
+        host_scale *= scale
+    out = ops.WeightedLoss.apply(input, target, weight, None if scale_needs_grad or not isinstance(scale, Tensor)
+                                 else scale, divisor, host_scale, loss, param, [False, False, False], -1, 1.0,
+                                 autocast)[0]
+    out = out.redistribute(mesh, replicated)
+    return out * scale if scale_needs_grad else out

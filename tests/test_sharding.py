@@ -1,0 +1,226 @@
+"""DTensor operands: the fused operators' sharding rules and the sharded route, against
+the same loss on full tensors, values and gradients, for every loss and reduction, even
+and uneven shards, 1-D and 2-D meshes, weights sharded alike or replicated and
+broadcast, scales and dim=.
+
+On the CPU: 4 ranks of the gloo backend, each through fusedloss's operators (their CPU
+kernels, as the "fused-cpu" route of the other tests): the rules, the route and the
+collectives are DTensor's real ones, the kernels the CPU reference kernels. With two
+GPUs: 2 ranks of NCCL on the CUDA kernels, 1-D and 2-D meshes of them."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+import traceback
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import LOSSES
+
+SHAPE = (7, 5, 3)  # uneven over 2 and 4 ranks along every dimension
+MESHES = {"cpu": ((4,), (2, 2)), "cuda": ((2,), (1, 2))}
+
+
+def _cases(device):
+    from conftest import LOSSES, PARAMS  # noqa: F401  (the table's losses and numbers)
+    from torch.distributed.tensor import Replicate, Shard
+
+    flat, square = MESHES[device]
+    world = flat[0]
+    meshes = {flat: [[Shard(0)], [Shard(1)], [Shard(2)], [Replicate()]],
+              square: [[Shard(0), Shard(1)], [Shard(0), Replicate()], [Replicate(), Shard(2)], [Shard(1), Shard(1)]]}
+    rng = random.Random(0)
+    for (mesh_shape, placements_list), name, reduction in itertools.product(
+            meshes.items(), LOSSES, ["none", "mean", "sum"]):
+        for placements in placements_list:
+            weight = rng.choice([None, "sharded", "broadcast", "mask"])
+            scale = rng.choice([None, 0.5, "tensor"])
+            dim = rng.choice([None, None, (1, 2)]) if reduction != "none" else None
+            yield dict(mesh_shape=mesh_shape, placements=placements, name=name, reduction=reduction, weight=weight,
+                       scale=scale, dim=dim, param=PARAMS[name], world=world)
+    # operands placed unlike each other (DTensor redistributes them to a rule's strategy),
+    # and a partial input (torch.nn.functional's route, which DTensor shards itself)
+    for name, reduction in itertools.product(LOSSES, ["none", "mean", "sum"]):
+        yield dict(mesh_shape=flat, placements=[Shard(0)], target_placements=[Shard(1)], name=name,
+                   reduction=reduction, weight=None, scale=None, dim=None, param=PARAMS[name], world=world)
+        yield dict(mesh_shape=flat, placements=[Shard(2)], partial_input=True, name=name, reduction=reduction,
+                   weight="broadcast", scale=0.5, dim=None, param=PARAMS[name], world=world)
+
+
+def _run_case(case, mesh, device):
+    from conftest import LOSSES
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    torch.manual_seed(zlib.crc32(repr(case).encode()))  # the same operands on every rank
+    fn = LOSSES[case["name"]][0]
+    keyword = LOSSES[case["name"]][2]
+    x, y = (torch.randn(SHAPE) * 2).to(device), (torch.randn(SHAPE) * 2).to(device)
+    w_full = {None: None, "sharded": torch.rand(SHAPE) + 0.25, "broadcast": torch.rand(1, 5, 1) + 0.25,
+              "mask": torch.rand(SHAPE) < 0.6}[case["weight"]]
+    w_full = None if w_full is None else w_full.to(device)
+    scale = torch.tensor(0.75, device=device) if case["scale"] == "tensor" else case["scale"]
+    kwargs = dict(reduction=case["reduction"], scale=scale, **({keyword: case["param"]} if keyword else {}))
+    if case["dim"] is not None:
+        kwargs["dim"] = case["dim"]
+    placements = case["placements"]
+    if case.get("partial_input"):  # each rank holds a part; their sum is x
+        part = x / case["world"]
+        dx = DTensor.from_local(part, mesh, [Partial()], run_check=False).requires_grad_()
+    else:
+        dx = distribute_tensor(x, mesh, placements).requires_grad_()
+    dy = distribute_tensor(y, mesh, case.get("target_placements", placements))
+    if case["weight"] in ("sharded", "mask"):
+        dw = distribute_tensor(w_full, mesh, placements)
+        if case["weight"] == "sharded":
+            dw.requires_grad_()
+    else:
+        dw = w_full  # a plain tensor: taken as replicated
+    from fusedloss import sharding
+
+    before = sharding.sharded_loss.calls
+    out = fn(dx, dy, weight=dw, **kwargs)
+    assert isinstance(out, DTensor)
+    # the fused route on each rank's shards, except for a partial input (DTensor's own)
+    assert (sharding.sharded_loss.calls > before) != bool(case.get("partial_input")), "route"
+    full_x = x.clone().requires_grad_()
+    full_w = None if w_full is None else w_full.clone().requires_grad_(case["weight"] == "sharded")
+    expected = fn(full_x, y, weight=full_w, **kwargs)
+    got = out.full_tensor()
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-6, msg="value")
+    if case["reduction"] != "none" and case["dim"] is None and not case.get("partial_input"):  # the fused route's
+        assert all(isinstance(p, Replicate) for p in out.placements), out.placements
+    g = torch.randn(expected.shape).to(device)
+    wrt = [dx] + ([dw] if case["weight"] == "sharded" else [])
+    grads = torch.autograd.grad((got * g).sum(), wrt)
+    want = torch.autograd.grad((expected * g).sum(), [full_x] + ([full_w] if case["weight"] == "sharded" else []))
+    for grad, w in zip(grads, want):
+        assert isinstance(grad, DTensor)
+        torch.testing.assert_close(grad.full_tensor(), w, rtol=2e-5, atol=2e-6, msg="gradient")
+    assert dx.to_local().shape == x.shape or any(p.is_shard() for p in placements)
+
+
+def _worker(rank, device, init_file, results_dir, src):
+    sys.path[:0] = [src, str(Path(__file__).parent)]
+    world = MESHES[device][0][0]
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    failures, count = [], 0
+    try:
+        from torch.distributed.tensor import init_device_mesh
+
+        from fusedloss import build, routing, sharding
+        if device == "cpu":
+            _through_the_operators_cpu_kernels(build, routing)
+        counted = sharding.sharded_loss
+
+        def counting(*args, **kwargs):
+            counting.calls += 1
+            return counted(*args, **kwargs)
+
+        counting.calls = 0
+        sharding.sharded_loss = counting
+        meshes = {}
+        for case in _cases(device):
+            shape = case["mesh_shape"]
+            mesh = meshes.setdefault(shape, init_device_mesh(device, shape))
+            count += 1
+            try:
+                _run_case(case, mesh, device)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{case}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
+    finally:
+        (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count}\n" + "\n".join(failures))
+        dist.destroy_process_group()
+
+
+def _through_the_operators_cpu_kernels(build, routing):
+    """As the fused_cpu fixture: CPU tensors through the operators' CPU kernels."""
+    build.load = lambda *families: {}
+    routing.kernels_apply = lambda i, t: (i.device == t.device and i.dtype in routing.KERNEL_DTYPES
+                                          and t.dtype in routing.KERNEL_DTYPES and not torch.compiler.is_compiling()
+                                          and not routing.under_a_transform())
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
+def test_sharded_losses_match_full_tensors(tmp_path, device):
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    world = MESHES[device][0][0]
+    torch.multiprocessing.spawn(_worker, args=(device, str(tmp_path / "init"), str(tmp_path), src), nprocs=world)
+    for rank in range(world):
+        count, *failures = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert int(count) == (2 * 4 + 2) * len(LOSSES) * 3
+        assert not "".join(failures).strip(), f"rank {rank}:\n" + "".join(failures)[:6000]
+
+
+def _training_worker(rank, init_file, results_dir, src):
+    """20 SGD steps of a column-parallel Linear whose output stays a DTensor sharded on its
+    last dimension, evenly (20 outputs) and unevenly (21): the loss with fusedloss (its
+    sharded route), with torch.nn.functional on the DTensors (DTensor's own rules), and with
+    torch.nn.functional on one rank's unsharded model, all from the same start."""
+    sys.path[:0] = [src, str(Path(__file__).parent)]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        import fusedloss
+        from fusedloss import build, routing, sharding
+        _through_the_operators_cpu_kernels(build, routing)
+        used = []
+        sharded_loss = sharding.sharded_loss
+        sharding.sharded_loss = lambda *args: used.append(1) or sharded_loss(*args)
+        mesh = init_device_mesh("cpu", (2,))
+        lines = []
+        for outputs in (20, 21):
+            losses = {}
+            for name, loss_fn, parallel in (("fusedloss", fusedloss.mse_loss, True),
+                                            ("F", torch.nn.functional.mse_loss, True),
+                                            ("unsharded", torch.nn.functional.mse_loss, False)):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, outputs))
+                if parallel:
+                    parallelize_module(model, mesh, {"2": ColwiseParallel(output_layouts=Shard(-1),
+                                                                          use_local_output=False)})
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+                losses[name] = []
+                teacher = torch.randn(16, outputs, generator=torch.Generator().manual_seed(100)) / 4
+                for step in range(20):
+                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+                    y = x @ teacher  # a target the model can learn
+                    loss = loss_fn(model(x), distribute_tensor(y, mesh, [Shard(-1)]) if parallel else y)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    losses[name].append(loss.full_tensor().item() if parallel else loss.item())
+            lines += [f"{outputs} {a!r} {b!r} {c!r}" for a, b, c in zip(*losses.values())]
+        (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join([str(len(used))] + lines))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_a_tensor_parallel_loop_trains_as_with_torch(tmp_path):
+    """fusedloss's loop matches the unsharded one, evenly and unevenly sharded. Its first
+    loss is also DTensor's own for even shards; unevenly, DTensor averages the shards'
+    means. (From the second step on, DTensor's own loop departs from the unsharded one on
+    torch 2.13: the sharded operands' gradient differs; fusedloss's does not.)"""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    torch.multiprocessing.spawn(_training_worker, args=(str(tmp_path / "init"), str(tmp_path), src), nprocs=2)
+    for rank in range(2):
+        used, *rows = (tmp_path / f"rank{rank}.txt").read_text().split("\n")
+        assert int(used) == 40  # every step through the fused, sharded route
+        table = torch.tensor([[float(v) for v in row.split()] for row in rows], dtype=torch.float64)
+        for outputs in (20, 21):
+            ours, theirs, unsharded = table[table[:, 0] == outputs, 1:].T
+            assert len(ours) == 20 and ours[-5:].mean() < ours[:5].mean()
+            torch.testing.assert_close(ours, unsharded, rtol=1e-5, atol=1e-6)
+            assert abs(theirs[0] - unsharded[0]) < 1e-5 or outputs == 21  # DTensor's uneven mean is the mean of means
