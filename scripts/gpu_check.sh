@@ -4,6 +4,9 @@
 #                                                   (e.g. -n 8 -x), then the KernelBench tests alone
 #   bash scripts/gpu_check.sh stress                2,000 fuzz examples on the GPU + 8-process first use
 #   bash scripts/gpu_check.sh bench [bench args]    python -m fusedloss bench, GPU clocks logged alongside
+#   bash scripts/gpu_check.sh multi-gpu WHEEL       two or more GPUs, from the installed wheel: the cuda:1
+#                                                   placement tests, DTensor on NCCL ranks, the tensor-parallel
+#                                                   loop and DDP's 20 steps
 set -uo pipefail
 part=$1; shift
 OUT=${OUT:-gpu-out}
@@ -34,6 +37,17 @@ from fusedloss import build; build.load(); print(f'cached load {time.perf_counte
     # 500 examples per loss, 4 losses: 2,000 on the GPU
     FUSEDLOSS_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-500} python3 -m pytest -q -p no:cacheprovider tests/test_fuzz.py \
       -k cuda --hypothesis-show-statistics 2>&1 | tee "$OUT/fuzz_gpu.log" | grep -E "passed|failed|examples|error" | tail -30
+    ;;
+  multi-gpu)
+    # NVLink multicast off (the device's notes say why); the tests import the installed wheel.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    python3 -m pip install -q --no-deps --no-compile --target /tmp/site "$1" || exit 1
+    export PYTHONPATH=/tmp/site
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c "import torch, fusedloss; print('torch', torch.__version__, 'fusedloss from', fusedloss.__file__)"
+      python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_placement.py tests/test_sharding.py tests/test_ddp.py
+    } 2>&1 | tee "$OUT/multi_gpu.log" | tail -40
     ;;
   bench)
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active \

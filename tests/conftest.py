@@ -47,15 +47,15 @@ TORCH_LOSSES = [name for name, row in losses.LOSSES.items() if row.pytorch]
 PARAMS = {name: 0.75 * row.param_default if row.param else 0.0 for name, row in losses.LOSSES.items()}
 
 
-@pytest.fixture
-def fused_cpu(monkeypatch):
+def cpu_through_operators(set_attribute=setattr) -> None:
     """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops'
     CPU reference kernels, as CUDA tensors go through them to the CUDA kernels (and, as on
-    CUDA, not under torch.compile or a torch.func transform, where torch operations run)."""
+    CUDA, not under torch.compile or a torch.func transform, where torch operations run).
+    Also for the ranks that distributed tests spawn."""
     from fusedloss import build
 
-    monkeypatch.setattr(build, "load", lambda *families: {})
-    monkeypatch.setattr(
+    set_attribute(build, "load", lambda *families: {})
+    set_attribute(
         routing,
         "kernels_apply",
         lambda input, target: input.device == target.device
@@ -64,6 +64,12 @@ def fused_cpu(monkeypatch):
         and not torch.compiler.is_compiling()
         and not routing.under_a_transform(),
     )
+
+
+@pytest.fixture
+def fused_cpu(monkeypatch):
+    """cpu_through_operators for one test."""
+    cpu_through_operators(monkeypatch.setattr)
 
 
 @pytest.fixture(params=["cpu", "fused-cpu", pytest.param("cuda", marks=requires_cuda)])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import sys
 import traceback
 import zlib
 from pathlib import Path
@@ -104,8 +103,7 @@ def _run_case(case, mesh, device):
     assert dx.to_local().shape == x.shape or any(p.is_shard() for p in placements)
 
 
-def _worker(rank, device, init_file, results_dir, src):
-    sys.path[:0] = [src, str(Path(__file__).parent)]
+def _worker(rank, device, init_file, results_dir):
     world = MESHES[device][0][0]
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -115,9 +113,11 @@ def _worker(rank, device, init_file, results_dir, src):
     try:
         from torch.distributed.tensor import init_device_mesh
 
-        from fusedloss import build, routing, sharding
+        from conftest import cpu_through_operators
+
+        from fusedloss import sharding
         if device == "cpu":
-            _through_the_operators_cpu_kernels(build, routing)
+            cpu_through_operators()
         counted = sharding.sharded_loss
 
         def counting(*args, **kwargs):
@@ -140,41 +140,83 @@ def _worker(rank, device, init_file, results_dir, src):
         dist.destroy_process_group()
 
 
-def _through_the_operators_cpu_kernels(build, routing):
-    """As the fused_cpu fixture: CPU tensors through the operators' CPU kernels."""
-    build.load = lambda *families: {}
-    routing.kernels_apply = lambda i, t: (i.device == t.device and i.dtype in routing.KERNEL_DTYPES
-                                          and t.dtype in routing.KERNEL_DTYPES and not torch.compiler.is_compiling()
-                                          and not routing.under_a_transform())
+def _other_losses_worker(rank, init_file, results_dir):
+    """The losses a DTensor takes through torch operations (several quantiles, a tensor c,
+    the Gaussian and Poisson NLL), against full tensors, unevenly sharded."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    failures = []
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        from conftest import cpu_through_operators
+
+        import fusedloss
+        cpu_through_operators()
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        x, y, var = torch.randn(7, 5, 3), torch.randn(7, 5, 1), torch.rand(7, 5) + 0.5
+        counts = torch.poisson(torch.rand(7, 5, 3) * 4)
+        calls = {
+            "quantiles": lambda a, b, v, c, r: fusedloss.quantile_loss(a, b, [0.1, 0.5, 0.9], reduction=r),
+            "pseudo-huber c": lambda a, b, v, c, r: fusedloss.pseudo_huber_loss(a, b.expand(a.shape) * 1,
+                                                                               torch.tensor([0.5, 1.0, 2.0]),
+                                                                               reduction=r),
+            "gaussian": lambda a, b, v, c, r: fusedloss.gaussian_nll_loss(a, b.expand(a.shape) * 1, v, reduction=r),
+            "poisson": lambda a, b, v, c, r: fusedloss.poisson_nll_loss(a, c, reduction=r),
+        }
+        for (name, call), reduction, dim in itertools.product(calls.items(), ["none", "mean", "sum"], [0, 1]):
+            try:
+                full = [t.clone().requires_grad_(i == 0) for i, t in enumerate((x, y, var, counts))]
+                dx = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
+                sharded = [dx] + [distribute_tensor(t, mesh, [Shard(dim)]) for t in (y, var, counts)]
+                out, expected = call(*sharded, reduction), call(*full, reduction)
+                torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
+                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+                got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
+                want, = torch.autograd.grad((expected * g).sum(), full[0])
+                torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
+    finally:
+        (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_the_losses_beside_the_table_take_dtensors(tmp_path):
+    torch.multiprocessing.spawn(_other_losses_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        failures = (tmp_path / f"rank{rank}.txt").read_text()
+        assert not failures, failures
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
 def test_sharded_losses_match_full_tensors(tmp_path, device):
-    src = str(Path(__file__).resolve().parents[1] / "src")
     world = MESHES[device][0][0]
-    torch.multiprocessing.spawn(_worker, args=(device, str(tmp_path / "init"), str(tmp_path), src), nprocs=world)
+    torch.multiprocessing.spawn(_worker, args=(device, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     for rank in range(world):
         count, *failures = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
         assert int(count) == (2 * 4 + 2) * len(LOSSES) * 3
         assert not "".join(failures).strip(), f"rank {rank}:\n" + "".join(failures)[:6000]
 
 
-def _training_worker(rank, init_file, results_dir, src):
+def _training_worker(rank, init_file, results_dir):
     """20 SGD steps of a column-parallel Linear whose output stays a DTensor sharded on its
     last dimension, evenly (20 outputs) and unevenly (21): the loss with fusedloss (its
     sharded route), with torch.nn.functional on the DTensors (DTensor's own rules), and with
     torch.nn.functional on one rank's unsharded model, all from the same start."""
-    sys.path[:0] = [src, str(Path(__file__).parent)]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+        from conftest import cpu_through_operators
+
         import fusedloss
-        from fusedloss import build, routing, sharding
-        _through_the_operators_cpu_kernels(build, routing)
+        from fusedloss import sharding
+        cpu_through_operators()
         used = []
         sharded_loss = sharding.sharded_loss
         sharding.sharded_loss = lambda *args: used.append(1) or sharded_loss(*args)
@@ -213,8 +255,7 @@ def test_a_tensor_parallel_loop_trains_as_with_torch(tmp_path):
     loss is also DTensor's own for even shards; unevenly, DTensor averages the shards'
     means. (From the second step on, DTensor's own loop departs from the unsharded one on
     torch 2.13: the sharded operands' gradient differs; fusedloss's does not.)"""
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    torch.multiprocessing.spawn(_training_worker, args=(str(tmp_path / "init"), str(tmp_path), src), nprocs=2)
+    torch.multiprocessing.spawn(_training_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         used, *rows = (tmp_path / f"rank{rank}.txt").read_text().split("\n")
         assert int(used) == 40  # every step through the fused, sharded route

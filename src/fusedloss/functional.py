@@ -350,6 +350,7 @@ def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, redu
                                       lambda i, t, r: _with_tensor_param(row, name, i, t, r, param, None, None),
                                       fusable=False)
     routing.warn_if_target_broadcasts(input, target, row)
+    param = reductions.beside(param, input)  # a DTensor's quantiles or c: replicated beside it
     if name == "pseudo_huber":  # its derivatives written out, in fewer passes than autograd's
         return pseudo_huber.pseudo_huber_formula(input, target, param, reduction)
     input, target = ops.as_computed(input, target, routing.under_autocast(input, target, input.device.type))
