@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh bench [bench args]    python -m fusedloss bench, GPU clocks logged alongside
 #   bash scripts/gpu_check.sh multi-gpu WHEEL       two or more GPUs, from the installed wheel: the cuda:1
 #                                                   placement tests, DTensor on NCCL ranks, the tensor-parallel
-#                                                   loop and DDP's 20 steps
+#                                                   loop, DDP's 20 steps and the sharded step's time
 set -uo pipefail
 part=$1; shift
 OUT=${OUT:-gpu-out}
@@ -47,6 +47,7 @@ from fusedloss import build; build.load(); print(f'cached load {time.perf_counte
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       python3 -c "import torch, fusedloss; print('torch', torch.__version__, 'fusedloss from', fusedloss.__file__)"
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_placement.py tests/test_sharding.py tests/test_ddp.py
+      python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/sharded_step.py
     } 2>&1 | tee "$OUT/multi_gpu.log" | tail -40
     ;;
   bench)
