@@ -67,6 +67,7 @@ def _worker(rank, device, init_file, results_dir):
         dist.all_gather(gathered, params)
         torch.save([t.cpu() for t in gathered], Path(results_dir) / f"rank{rank}.pt")
     finally:
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 

@@ -137,6 +137,7 @@ def _worker(rank, device, init_file, results_dir):
                 failures.append(f"{case}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
     finally:
         (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count}\n" + "\n".join(failures))
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 
@@ -179,6 +180,7 @@ def _other_losses_worker(rank, init_file, results_dir):
                 failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
     finally:
         (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 
@@ -246,6 +248,7 @@ def _training_worker(rank, init_file, results_dir):
             lines += [f"{outputs} {a!r} {b!r} {c!r}" for a, b, c in zip(*losses.values())]
         (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join([str(len(used))] + lines))
     finally:
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 
