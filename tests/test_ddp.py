@@ -5,12 +5,15 @@ kernels); with two GPUs: NCCL ranks on the CUDA kernels, one card each."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+# a rank that waits on a collective longer than this fails rather than hangs
+TIMEOUT = timedelta(seconds=120)
 STEPS = 20
 BATCH = 16  # the whole batch; each of the 2 ranks trains on half
 
@@ -55,7 +58,7 @@ def _worker(rank, device, init_file, results_dir):
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=2)
+                            world_size=2, timeout=TIMEOUT)
     try:
         if device == "cpu":
             from conftest import cpu_through_operators

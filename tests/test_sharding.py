@@ -14,6 +14,7 @@ import itertools
 import random
 import traceback
 import zlib
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 from conftest import LOSSES
 
+# a rank that waits on a collective longer than this fails rather than hangs
+TIMEOUT = timedelta(seconds=120)
 SHAPE = (7, 5, 3)  # uneven over 2 and 4 ranks along every dimension
 MESHES = {"cpu": ((4,), (2, 2)), "cuda": ((2,), (1, 2))}
 
@@ -108,7 +111,7 @@ def _worker(rank, device, init_file, results_dir):
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=TIMEOUT)
     failures, count = [], 0
     try:
         from torch.distributed.tensor import init_device_mesh
@@ -144,7 +147,7 @@ def _worker(rank, device, init_file, results_dir):
 def _other_losses_worker(rank, init_file, results_dir):
     """The losses a DTensor takes through torch operations (several quantiles, a tensor c,
     the Gaussian and Poisson NLL), against full tensors, unevenly sharded."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
     failures = []
     try:
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
@@ -209,7 +212,7 @@ def _training_worker(rank, init_file, results_dir):
     last dimension, evenly (20 outputs) and unevenly (21): the loss with fusedloss (its
     sharded route), with torch.nn.functional on the DTensors (DTensor's own rules), and with
     torch.nn.functional on one rank's unsharded model, all from the same start."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
     try:
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
