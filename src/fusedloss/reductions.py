@@ -72,12 +72,12 @@ def reduce(per_element: Tensor, reduction: str, weight: Tensor | None, scale: fl
         out = out * weight
     if reduction != "none":
         dims = tuple(range(len(shape))) if dim is None else as_dims(dim, len(shape))
-        out = out.sum(dims, keepdim=True)
-        if reduction == "mean":
-            if weight is None or mean_over_count:
-                out = out / math.prod(shape[d] for d in dims)
-            else:
-                out = out / _expanded_sum_over(weight, shape, dims).to(out.dtype)
+        if reduction == "mean" and (weight is None or mean_over_count):
+            out = out.mean(dims, keepdim=True)  # one rounding, as torch.mean's
+        else:
+            out = out.sum(dims, keepdim=True)
+            if reduction == "mean":
+                out = out / expanded_weight_sum(weight, shape, dims, out.dtype).to(out.dtype)
         if dim is None or not keepdim:
             out = out.reshape(()) if dim is None else out.squeeze(dims)
     if scale is None:
@@ -96,11 +96,25 @@ def beside(operand: object, loss: Tensor) -> object:
     return DTensor.from_local(operand, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _expanded_sum_over(weight: Tensor, shape: torch.Size, dims: tuple[int, ...]) -> Tensor:
-    """The weight as if expanded to `shape`, summed over `dims` (kept), without expanding it:
-    its own sum where it spans a dimension, times the size where it broadcasts along one."""
+def expanded_weight_sum(weight: Tensor, shape: torch.Size, dims: tuple[int, ...], loss_dtype: torch.dtype) -> Tensor:
+    """A weighted mean's divisor: the weight as if expanded to `shape`, summed over `dims`
+    (kept) without expanding it, its own sum where it spans a dimension times the size
+    where it broadcasts along one. Summed as ``weight_sum`` sums it."""
     aligned = weight.reshape((1,) * (len(shape) - weight.dim()) + tuple(weight.shape))
-    spanned = tuple(d for d in dims if aligned.shape[d] != 1)
-    summed = aligned.sum(spanned, keepdim=True, dtype=None if weight.is_floating_point() else torch.float64) \
-        if spanned else aligned
-    return summed * math.prod(shape[d] for d in dims if aligned.shape[d] == 1)
+    spanned = tuple([d for d in dims if aligned.shape[d] != 1])  # lists, which torch.compile traces
+    dtype = _sum_dtype(weight, loss_dtype)
+    # (a sum over no dimension would be torch's sum over all of them)
+    summed = aligned.sum(spanned, keepdim=True, dtype=dtype) if spanned else aligned.to(dtype)
+    return summed * math.prod([shape[d] for d in dims if aligned.shape[d] == 1])
+
+
+def weight_sum(weight: Tensor, loss_dtype: torch.dtype) -> Tensor:
+    """A weighted mean's divisor, the weight's sum as it lies: below a float64 loss, in
+    float32 as PyTorch sums it, which reads a 16- or 32-bit weight where it lies (a float64
+    sum would copy it first); a mask of integers is counted exactly."""
+    return weight.sum(dtype=_sum_dtype(weight, loss_dtype))
+
+
+def _sum_dtype(weight: Tensor, loss_dtype: torch.dtype) -> torch.dtype:
+    in_float32 = weight.is_floating_point() and loss_dtype != torch.float64
+    return torch.float32 if in_float32 else torch.float64

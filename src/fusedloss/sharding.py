@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from . import formulas, ops, reductions, routing, weighted
+from . import formulas, ops, reductions, routing
 from .losses import LOSSES
 
 _OPS = torch.ops.fusedloss
@@ -153,8 +153,8 @@ def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduc
             host_scale = 1 / numel if numel else math.nan
         else:
             loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
-            divisor = weighted.weight_sum(weight, loss_dtype) * (numel // weight.numel() if weight.numel() else 0)
-            divisor = divisor.redistribute(mesh, replicated)
+            divisor = reductions.expanded_weight_sum(weight, shape, tuple(range(len(shape))), loss_dtype)
+            divisor = divisor.reshape(()).redistribute(mesh, replicated)
     scale_needs_grad = isinstance(scale, Tensor) and scale.requires_grad and torch.is_grad_enabled()
     if isinstance(scale, (int, float)):
         host_scale *= scale

@@ -77,35 +77,13 @@ def weighted_loss(
         if _fused_weighted_applies(input, target, weight, scale, loss_dtype):
             return _fused_weighted_loss(loss, param, input, target, shape, reduction, weight, scale, autocast,
                                         loss_dtype, pytorch_case)
-    if pytorch_case:
-        out = torch_weighted(input, target, reduction, param, weight)
-    else:
-        out = unweighted(input, target, "none")
-        if weight is not None:
-            if weight.is_floating_point():
-                out = out.to(torch.promote_types(out.dtype, weight.dtype))  # a 0-d weight too
-            out = out * weight
-        if reduction == "sum":
-            out = out.sum()
-        elif reduction == "mean":
-            out = out.mean() if weight is None or LOSSES[loss].weighted_mean_over_count else out.sum() / _expanded_sum(weight, shape, out)
+    if not pytorch_case:
+        return reductions.reduce(unweighted(input, target, "none"), reduction, weight, scale,
+                                 mean_over_count=LOSSES[loss].weighted_mean_over_count)
+    out = torch_weighted(input, target, reduction, param, weight)
     if scale is None:
         return out
     return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
-
-
-def _expanded_sum(weight: Tensor, shape: torch.Size, like: Tensor) -> Tensor:
-    """The sum of the weight expanded to `shape`, without expanding it, in `like`'s dtype."""
-    multiplicity = shape.numel() // weight.numel() if weight.numel() else 0
-    return (weight_sum(weight, like.dtype) * multiplicity).to(like.dtype)
-
-
-def weight_sum(weight: Tensor, loss_dtype: torch.dtype) -> Tensor:
-    """A weighted mean's divisor, the weight's sum as it lies: below a float64 loss, in
-    float32 as PyTorch sums it, which reads a 16- or 32-bit weight where it lies (a float64
-    sum would copy it first); a mask of integers is counted exactly."""
-    in_float32 = weight.is_floating_point() and loss_dtype != torch.float64
-    return weight.sum(dtype=torch.float32 if in_float32 else torch.float64)
 
 
 def _fused_weighted_loss(
@@ -139,12 +117,12 @@ def _fused_weighted_loss(
             host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
         elif pytorch_case:
             # The weight as given, also where the target broadcasts the loss to nothing.
-            divisor = weight_sum(weight, result_dtype)
+            divisor = reductions.weight_sum(weight, result_dtype)
         elif numel == 0:
             host_scale = math.nan
         else:
             # The sum of the weight expanded to the loss's shape, without expanding it.
-            divisor = weight_sum(weight, result_dtype)
+            divisor = reductions.weight_sum(weight, result_dtype)
             host_scale /= numel // weight.numel()
     output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
