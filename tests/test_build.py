@@ -84,9 +84,12 @@ def test_the_tables_of_losses_agree_across_the_language_boundary():
         unit = domain == "kUnitInterval"
         assert (LOSSES[name].param_max, LOSSES[name].param_zero_valid) == ((1.0, True) if unit else (math.inf, False))
         # The dtype rules live in both tables: the result in the input's dtype (Huber's),
-        # each gradient in its operand's dtype (Smooth L1's).
+        # each gradient in its operand's dtype (Smooth L1's), and the param rounded into the
+        # loss's dtype as PyTorch rounds beta and delta (fusedloss's own losses keep it in
+        # at least float32, as their formulas do).
         body = table.split(f"struct {struct}Loss {{", 1)[1].split("\n};", 1)[0]
-        for flag, field in (("kOutputHasInputDtype", "keeps_input_dtype"), ("kGradInOwnDtype", "gradient_in_own_dtype")):
+        for flag, field in (("kOutputHasInputDtype", "keeps_input_dtype"), ("kGradInOwnDtype", "gradient_in_own_dtype"),
+                            ("kParamInLossDtype", "pytorch")):
             value = re.search(flag + r" = (true|false);", body).group(1) == "true"
             assert value == getattr(LOSSES[name], field), (name, flag)
 

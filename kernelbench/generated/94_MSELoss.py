@@ -144,6 +144,7 @@ struct LossParam {
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
@@ -364,6 +365,7 @@ struct Unweighted {
 
 template <class Loss, typename In, typename Tgt>
 struct PairOp {
+  using LossT = Loss;
   using T = opmath_t<In, Tgt>;
   using InT = In;
   using TgtT = Tgt;
@@ -565,9 +567,10 @@ Op make_op(const LossProblem& p) {
   op.input = static_cast<const typename Op::InT*>(p.input);
   op.target = static_cast<const typename Op::TgtT*>(p.target);
   using T = typename Op::T;
-  op.param = loss_param_in<typename Op::Out, T>(p.param);
-  op.input_grad_param = loss_param_in<typename Op::InputGradDtype, T>(p.param);
-  op.target_grad_param = loss_param_in<typename Op::TargetGradDtype, T>(p.param);
+  constexpr bool kRounded = Op::LossT::kParamInLossDtype;
+  op.param = loss_param_in<std::conditional_t<kRounded, typename Op::Out, T>, T>(p.param);
+  op.input_grad_param = loss_param_in<std::conditional_t<kRounded, typename Op::InputGradDtype, T>, T>(p.param);
+  op.target_grad_param = loss_param_in<std::conditional_t<kRounded, typename Op::TargetGradDtype, T>, T>(p.param);
   return op;
 }
 

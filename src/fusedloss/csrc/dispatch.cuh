@@ -112,7 +112,7 @@ cudaError_t with_problem_types(const LossProblem& p, bool writes_input, bool wri
   });
 }
 
-// beta or delta converted to dtype D, as PyTorch does (1e6 is inf in fp16).
+// The param converted to dtype D, as PyTorch converts beta and delta (1e6 is inf in fp16).
 template <typename D, typename T>
 LossParam<T> loss_param_in(double param) {
   const T value = to_opmath(Convert<D>::from(static_cast<T>(param)));
@@ -125,9 +125,10 @@ Op make_op(const LossProblem& p) {
   op.input = static_cast<const typename Op::InT*>(p.input);
   op.target = static_cast<const typename Op::TgtT*>(p.target);
   using T = typename Op::T;
-  op.param = loss_param_in<typename Op::Out, T>(p.param);
-  op.input_grad_param = loss_param_in<typename Op::InputGradDtype, T>(p.param);
-  op.target_grad_param = loss_param_in<typename Op::TargetGradDtype, T>(p.param);
+  constexpr bool kRounded = Op::LossT::kParamInLossDtype;
+  op.param = loss_param_in<std::conditional_t<kRounded, typename Op::Out, T>, T>(p.param);
+  op.input_grad_param = loss_param_in<std::conditional_t<kRounded, typename Op::InputGradDtype, T>, T>(p.param);
+  op.target_grad_param = loss_param_in<std::conditional_t<kRounded, typename Op::TargetGradDtype, T>, T>(p.param);
   return op;
 }
 

@@ -185,6 +185,7 @@ struct Weighted {
 // thread and tile unless an op says otherwise.
 template <class Loss, typename In, typename Tgt>
 struct PairOp {
+  using LossT = Loss;
   using T = opmath_t<In, Tgt>;
   using InT = In;
   using TgtT = Tgt;

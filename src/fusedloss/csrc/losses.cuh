@@ -23,6 +23,9 @@
 
 // `value` and `grad` (d loss / d input) follow PyTorch's kernels branch for
 // branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
+// kParamInLossDtype: the param is rounded into the dtype the loss is computed in, as
+// PyTorch rounds beta and delta; fusedloss's own losses compute in at least float32 and
+// take it there, as their formulas in losses.py do.
 // kGradInOwnDtype: PyTorch's CUDA backward computes each gradient in that
 // gradient's dtype, seeing the other operand and beta in it (Smooth L1). For the
 // others fusedloss differentiates the loss as computed, in its dtype: PyTorch's
@@ -42,6 +45,7 @@ struct LossParam {
 struct MseLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
   template <typename T>
@@ -51,6 +55,7 @@ struct MseLoss {
 struct L1Loss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
@@ -62,6 +67,7 @@ struct L1Loss {
 struct SmoothL1Loss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = true;
+  static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> beta) {
     const T z = fabs(d);
@@ -77,6 +83,7 @@ struct SmoothL1Loss {
 struct HuberLoss {
   static constexpr bool kOutputHasInputDtype = true;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> delta) {
     const T z = fabs(d);
@@ -88,36 +95,18 @@ struct HuberLoss {
   }
 };
 
-// Pseudo-Huber's root and its reciprocal, sqrt(d^2 + c^2) and 1 / that: in
-// float32 from the hardware's reciprocal square root (2 ulp), with the fast
-// division, which keep the bf16 pass from being bound by compute; exact in float64.
+// Pseudo-Huber's root, sqrt(d^2 + c^2).
 template <typename T>
 struct PseudoHuberRoot {
-  T root, inverse;
+  T root;
   __device__ __forceinline__ PseudoHuberRoot(T d, T c) {
     // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
     // backward's could contract d * d + c * c differently and round their gradients apart.
     const T square = fma(d, d, c * c);
-    if (isinf(square)) {
-      // d^2 + c^2 beyond the type while the root is not: hypot scales, so a huge d
-      // keeps its finite loss and its gradient 2c * sign(d).
-      root = hypot(d, c);
-      inverse = T(1) / root;
-    } else if constexpr (std::is_same_v<T, float>) {
-      inverse = rsqrtf(square);
-      root = square * inverse;
-    } else {
-      root = sqrt(square);
-      inverse = T(1) / root;
-    }
-  }
-  // a / b, for b >= c > 0: the fast division (2 ulp) in float32.
-  __device__ __forceinline__ static T quotient(T a, T b) {
-    if constexpr (std::is_same_v<T, float>) {
-      return __fdividef(a, b);
-    } else {
-      return a / b;
-    }
+    // d^2 + c^2 beyond the type while the root is not: hypot scales, so a huge d keeps its
+    // finite loss and its gradient 2c * sign(d). The root and the divisions are IEEE's (the
+    // approximate ones would double the gradient's rounding error).
+    root = isinf(square) ? hypot(d, c) : sqrt(square);
   }
 };
 
@@ -127,15 +116,16 @@ struct PseudoHuberRoot {
 struct PseudoHuberLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> c) {
     const PseudoHuberRoot<T> r(d, c.value);
     const T twice_c = c.value + c.value;
-    return fabs(d) <= c.value ? twice_c * r.quotient(d * d, r.root + c.value) : twice_c * (r.root - c.value);
+    return fabs(d) <= c.value ? twice_c * ((d * d) / (r.root + c.value)) : twice_c * (r.root - c.value);
   }
   template <typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> c) {
-    return (c.value + c.value) * d * PseudoHuberRoot<T>(d, c.value).inverse;
+    return (c.value + c.value) * (d / PseudoHuberRoot<T>(d, c.value).root);  // |d / root| <= 1: no overflow
   }
 };
 
@@ -145,6 +135,7 @@ struct PseudoHuberLoss {
 struct LogCoshLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) {
     const T z = fabs(d);
@@ -172,6 +163,7 @@ struct PinballBranches {
 struct QuantileLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
+  static constexpr bool kParamInLossDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> q) {
     const PinballBranches<T> p(d, q.value);
