@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import secrets
 
 import pytest
@@ -147,6 +149,13 @@ def heavy_tailed(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     u = torch.rand(shape, dtype=torch.float64, device=device).clamp_min(1e-6)
     sign = torch.randint(0, 2, shape, device=device) * 2 - 1
     return ((u.pow(-0.5) - 1) * sign).to(dtype)
+
+
+def broadcast_warning(name: str, input, target):
+    """PyTorch's warning for a target of another shape, where the loss's row gives it."""
+    if input.shape != target.shape and losses.LOSSES[name].warns_on_broadcast:
+        return pytest.warns(UserWarning, match="target size")
+    return contextlib.nullcontext()
 
 
 def loss_kwargs(name: str, param: float) -> dict:

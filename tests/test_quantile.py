@@ -166,9 +166,10 @@ def test_module():
 def test_cuda_quantiles_from_the_host_cost_no_sync():
     x, t = torch.randn(64, 24, 3, device="cuda"), torch.randn(64, 24, 1, device="cuda")
     fusedloss.quantile_loss(x, t, [0.1, 0.5, 0.9])  # the first call keeps them on the device
+    on_device = torch.tensor([0.1, 0.5, 0.9], device="cuda")  # its own copy waits: made before the check
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for form in ([0.1, 0.5, 0.9], torch.tensor([0.1, 0.5, 0.9], device="cuda"), 0.25):
+        for form in ([0.1, 0.5, 0.9], on_device, 0.25):
             fusedloss.quantile_loss(x, t, form)
     finally:
         torch.cuda.set_sync_debug_mode("default")
