@@ -2,9 +2,11 @@
 at the same local size: bf16 MSE, each rank holding 2^26 elements of a (ranks * 2^14,
 4096) loss sharded along its first dimension.
 
-Device time of ``p.grad = None; loss.backward()`` with CUDA events, the median of
-`--reps`; the sharded step includes the all-reduce of the loss, which the single step has
-no need of. Run one process per GPU:
+Device time of ``p.grad = None; loss.backward()`` with CUDA events behind a queued GPU
+sleep (host time out), and wall time per step of steps back to back (host time in), the
+medians of `--reps`; the sharded step includes the all-reduce of the loss, which the
+single step has no need of. Then the host syncs of one step of each, as PyTorch's sync
+debug mode finds them. Run one process per GPU:
 
     torchrun --nproc-per-node 2 benchmarks/sharded_step.py
 """
@@ -14,6 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,19 +26,55 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 import fusedloss
 
+SLEEP_CYCLES = 20_000_000  # about 10 ms of a GPU's clock: longer than the step's host time
+
 
 def _device_ms(step, reps: int) -> float:
+    """The step's device time: each rep waits behind a queued GPU sleep, so the host has
+    enqueued the whole step before the GPU reaches it (host time stays out)."""
     for _ in range(3):
         step()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
         start.record()
         step()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _wall_ms(step, reps: int) -> float:
+    """Wall time per step of `reps` steps back to back, host time included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def _host_syncs(step) -> list[str]:
+    """Where one step synchronizes with the GPU, as PyTorch's sync debug mode finds it: the
+    Python stack of each of its warnings."""
+    stacks = []
+
+    def note(message, *args, **kwargs) -> None:
+        if "called a synchronizing CUDA operation" in str(message):  # not the mode's own notice
+            stacks.append("".join(traceback.format_stack(limit=14)[:-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return stacks
 
 
 def main() -> None:
@@ -63,16 +104,24 @@ def main() -> None:
         local_p.grad = None
         fusedloss.mse_loss(local_p, local_t).backward()
 
-    times = {}
+    device, wall = {}, {}
     for turn in range(2):  # the two take turns, so drift weighs on both
         for name, step in (("sharded", sharded), ("single", single))[:: 1 if turn == 0 else -1]:
-            times.setdefault(name, []).append(_device_ms(step, args.reps))
-    sharded_ms, single_ms = (statistics.median(times[name]) for name in ("sharded", "single"))
+            device.setdefault(name, []).append(_device_ms(step, args.reps))
+            wall.setdefault(name, []).append(_wall_ms(step, args.reps))
+    device_ms = {name: statistics.median(times) for name, times in device.items()}
+    wall_ms = {name: statistics.median(times) for name, times in wall.items()}
+    syncs = {name: _host_syncs(step) for name, step in (("sharded", sharded), ("single", single))}
     if rank == 0:
         print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {world} ranks; "
               f"{local_p.numel()} bf16 elements per rank")
-        print(f"sharded step {sharded_ms:.3f} ms, single-GPU step {single_ms:.3f} ms, "
-              f"ratio {sharded_ms / single_ms:.3f}")
+        for label, ms in (("device time", device_ms), ("wall time, host included", wall_ms)):
+            print(f"{label}: sharded step {ms['sharded']:.3f} ms, single-GPU step {ms['single']:.3f} ms, "
+                  f"ratio {ms['sharded'] / ms['single']:.3f}")
+        print(f"host syncs in one step: sharded {len(syncs['sharded'])}, single-GPU {len(syncs['single'])}")
+        for name, stacks in syncs.items():
+            for stack in stacks:
+                print(f"-- a host sync in the {name} step:\n{stack}")
     dist.destroy_process_group()
 
 

@@ -112,7 +112,7 @@ def _worker(rank, device, init_file, results_dir):
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
-    failures, count = [], 0
+    failures, count, local = [], 0, 0
     try:
         from torch.distributed.tensor import init_device_mesh
 
@@ -121,14 +121,20 @@ def _worker(rank, device, init_file, results_dir):
         from fusedloss import sharding
         if device == "cpu":
             cpu_through_operators()
-        counted = sharding.sharded_loss
+        counted, on_local_shards = sharding.sharded_loss, sharding.on_local_shards
 
-        def counting(*args, **kwargs):
+        def counting(*args, **kwargs):  # the operators' route
             counting.calls += 1
             return counted(*args, **kwargs)
 
-        counting.calls = 0
-        sharding.sharded_loss = counting
+        def counting_local(*args, **kwargs):  # the local shards' route, where it takes the call
+            out = on_local_shards(*args, **kwargs)
+            counting.calls += out is not None
+            counting.local += out is not None
+            return out
+
+        counting.calls = counting.local = 0
+        sharding.sharded_loss, sharding.on_local_shards = counting, counting_local
         meshes = {}
         for case in _cases(device):
             shape = case["mesh_shape"]
@@ -139,7 +145,8 @@ def _worker(rank, device, init_file, results_dir):
             except Exception as error:  # each failure is a result; the ranks keep in step
                 failures.append(f"{case}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
     finally:
-        (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count}\n" + "\n".join(failures))
+        local = getattr(sharding.sharded_loss, "local", 0) if count else 0
+        (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count} {local}\n" + "\n".join(failures))
         dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
@@ -187,6 +194,55 @@ def _other_losses_worker(rank, init_file, results_dir):
         dist.destroy_process_group()
 
 
+def _cache_worker(rank, init_file, results_dir):
+    """Calls alike in their DTensor operands and unlike in the rest (which gradients are
+    asked for, which optional operands are given, the loss): each gets its own placements
+    from DTensor's cache of decisions, so each matches the full tensors."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
+    failures = []
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        from conftest import cpu_through_operators
+
+        import fusedloss
+        cpu_through_operators()
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        x, y, w = torch.randn(6, 5), torch.randn(6, 5), torch.rand(6, 5) + 0.5
+        calls = [("mse", "mean", False, None), ("mse", "mean", True, None), ("mse", "sum", True, w),
+                 ("mse", "sum", False, w), ("l1", "sum", True, None), ("l1", "none", True, None)]
+        for name, reduction, target_grad, weight in calls:
+            fn = getattr(fusedloss, LOSSES[name][0].__name__)
+            dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+            dy = distribute_tensor(y, mesh, [Shard(0)]).requires_grad_(target_grad)
+            dw = None if weight is None else distribute_tensor(weight, mesh, [Shard(0)])
+            fx, fy = x.clone().requires_grad_(), y.clone().requires_grad_(target_grad)
+            out, expected = fn(dx, dy, reduction=reduction, weight=dw), fn(fx, fy, reduction=reduction, weight=weight)
+            try:
+                torch.testing.assert_close(out.full_tensor(), expected)
+                wrt = (dx, dy) if target_grad else (dx,)
+                got = torch.autograd.grad(out.full_tensor().sum(), wrt)
+                want = torch.autograd.grad(expected.sum(), (fx, fy) if target_grad else (fx,))
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a.full_tensor(), b)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} target grad {target_grad} weight {weight is not None}: "
+                                f"{type(error).__name__}: {str(error)[:300]}")
+    finally:
+        (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
+        dist.barrier()  # no rank tears the group down while another still uses it
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path):
+    torch.multiprocessing.spawn(_cache_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        failures = (tmp_path / f"rank{rank}.txt").read_text()
+        assert not failures, failures
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 def test_the_losses_beside_the_table_take_dtensors(tmp_path):
     torch.multiprocessing.spawn(_other_losses_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
@@ -202,17 +258,23 @@ def test_sharded_losses_match_full_tensors(tmp_path, device):
     world = MESHES[device][0][0]
     torch.multiprocessing.spawn(_worker, args=(device, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
     for rank in range(world):
-        count, *failures = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
-        assert int(count) == (2 * 4 + 2) * len(LOSSES) * 3
+        counts, *failures = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        count, local = map(int, counts.split())
+        assert count == (2 * 4 + 2) * len(LOSSES) * 3
+        print(f"rank {rank}: {local} of {count} cases on the local shards' route")
+        assert local > count // 10  # the common cases take it
         assert not "".join(failures).strip(), f"rank {rank}:\n" + "".join(failures)[:6000]
 
 
-def _training_worker(rank, init_file, results_dir):
+def _training_worker(rank, device, init_file, results_dir):
     """20 SGD steps of a column-parallel Linear whose output stays a DTensor sharded on its
     last dimension, evenly (20 outputs) and unevenly (21): the loss with fusedloss (its
     sharded route), with torch.nn.functional on the DTensors (DTensor's own rules), and with
     torch.nn.functional on one rank's unsharded model, all from the same start."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=2, timeout=TIMEOUT)
     try:
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -221,11 +283,14 @@ def _training_worker(rank, init_file, results_dir):
 
         import fusedloss
         from fusedloss import sharding
-        cpu_through_operators()
+        if device == "cpu":
+            cpu_through_operators()
         used = []
-        sharded_loss = sharding.sharded_loss
+        sharded_loss, on_local_shards = sharding.sharded_loss, sharding.on_local_shards
         sharding.sharded_loss = lambda *args: used.append(1) or sharded_loss(*args)
-        mesh = init_device_mesh("cpu", (2,))
+        sharding.on_local_shards = lambda *args: (lambda out: out if out is None else used.append(1) or out)(
+            on_local_shards(*args))
+        mesh = init_device_mesh(device, (2,))
         lines = []
         for outputs in (20, 21):
             losses = {}
@@ -233,15 +298,17 @@ def _training_worker(rank, init_file, results_dir):
                                             ("F", torch.nn.functional.mse_loss, True),
                                             ("unsharded", torch.nn.functional.mse_loss, False)):
                 torch.manual_seed(0)
-                model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, outputs))
+                model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                            torch.nn.Linear(32, outputs)).to(device)
                 if parallel:
                     parallelize_module(model, mesh, {"2": ColwiseParallel(output_layouts=Shard(-1),
                                                                           use_local_output=False)})
-                optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+                # one update per tensor: CUDA's foreach default would mix DTensors and tensors
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.2, foreach=False)
                 losses[name] = []
-                teacher = torch.randn(16, outputs, generator=torch.Generator().manual_seed(100)) / 4
+                teacher = (torch.randn(16, outputs, generator=torch.Generator().manual_seed(100)) / 4).to(device)
                 for step in range(20):
-                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+                    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device)
                     y = x @ teacher  # a target the model can learn
                     loss = loss_fn(model(x), distribute_tensor(y, mesh, [Shard(-1)]) if parallel else y)
                     loss.backward()
@@ -256,12 +323,14 @@ def _training_worker(rank, init_file, results_dir):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_a_tensor_parallel_loop_trains_as_with_torch(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
+def test_a_tensor_parallel_loop_trains_as_with_torch(tmp_path, device):
     """fusedloss's loop matches the unsharded one, evenly and unevenly sharded. Its first
     loss is also DTensor's own for even shards; unevenly, DTensor averages the shards'
     means. (From the second step on, DTensor's own loop departs from the unsharded one on
     torch 2.13: the sharded operands' gradient differs; fusedloss's does not.)"""
-    torch.multiprocessing.spawn(_training_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_training_worker, args=(device, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         used, *rows = (tmp_path / f"rank{rank}.txt").read_text().split("\n")
         assert int(used) == 40  # every step through the fused, sharded route

@@ -331,7 +331,11 @@ def _sharded(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tens
 
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
-    if sharding.applies(input, target, weight, scale):
+    if sharding.applies(input, target, weight, scale, reduction):
+        out = sharding.on_local_shards(input, target, weight, scale, reduction, row.weighted_mean_over_count,
+                                       lambda i, t, r, w, s: _loss(name, i, t, None, None, r, param, w, s))
+        if out is not None:
+            return out
         return sharding.sharded_loss(kernel_loss, param, input, target, reduction, weight, scale)
     weight, scale = reductions.beside(weight, input), reductions.beside(scale, input)
     if weight is not None or scale is not None:

@@ -78,8 +78,8 @@ def reduce(per_element: Tensor, reduction: str, weight: Tensor | None, scale: fl
             out = out.sum(dims, keepdim=True)
             if reduction == "mean":
                 out = out / expanded_weight_sum(weight, shape, dims, out.dtype).to(out.dtype)
-        if dim is None or not keepdim:
-            out = out.reshape(()) if dim is None else out.squeeze(dims)
+        if dim is None or not keepdim:  # a reshape, which DTensor shards on every torch (squeeze.dims not)
+            out = out.reshape([size for axis, size in enumerate(out.shape) if axis not in dims])
     if scale is None:
         return out
     return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)

@@ -1,5 +1,11 @@
-"""DTensor: a sharding rule for each fused operator, and the route that sends DTensor
-operands through them, so that each rank runs the fused kernels on its own shards.
+"""DTensor: a sharding rule for each fused operator, and the routes that send DTensor
+operands to the fused kernels on each rank's own shards.
+
+The common case (input, target and any weight alike in shape and placements, no scale
+tensor, no mean over the weight's sum) skips DTensor's dispatch: ``on_local_shards``
+runs the one-GPU path on the local shards, whose forward writes the gradients, and
+all-reduces the partial sums. Every other case goes through the operators and the rules
+below, DTensor redistributing the operands where they are placed unalike.
 
 A rule offers, for each dimension of the loss's shape, the strategy that shards the loss
 along it: an operand that spans that dimension is sharded along its own matching
@@ -22,16 +28,36 @@ DTensor already shards.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor.experimental import register_sharding
 
-from . import formulas, ops, reductions, routing
+from . import build, formulas, ops, reductions, routing
 from .losses import LOSSES
 
 _OPS = torch.ops.fusedloss
+
+
+def _rule(overloads):
+    """register_sharding, with every argument in the key of DTensor's cache of decisions.
+    register_sharding keys it on the DTensor arguments and those from the first int
+    argument on: two calls that differ in which optional tensors are None, in the output
+    mask or in the loss would otherwise share one decision, and with it the wrong
+    placements for some outputs."""
+    overloads = overloads if isinstance(overloads, list) else [overloads]
+
+    def register(strategy):
+        register_sharding(overloads)(strategy)
+        for overload in overloads:
+            DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[overload] = RuntimeSchemaInfo(
+                static_argnum=0, needs_pytree=True)
+        return strategy
+
+    return register
 
 
 def _placement(operand, loss_ndim: int, dim: int):
@@ -71,45 +97,46 @@ def _gradients(output_mask) -> list[str]:
     return ["loss" if wanted else "empty" for wanted in output_mask]
 
 
-@register_sharding(_OPS.pointwise_loss.default)
+@_rule(_OPS.pointwise_loss.default)
 def _pointwise_loss(input, target, loss, param, autocast=False):
     return _strategies([input, target, None, None, None], _shape(input, target), ["loss"])
 
 
-@register_sharding([_OPS.pointwise_loss_backward.default, _OPS.pointwise_loss_backward_broadcast.default])
+@_rule([_OPS.pointwise_loss_backward.default, _OPS.pointwise_loss_backward_broadcast.default])
 def _pointwise_loss_backward(grad_output, input, target, loss, param, output_mask, autocast=False):
     return _strategies([grad_output, input, target, None, None, None, None], _shape(input, target),
                        _gradients(output_mask))
 
 
-@register_sharding(_OPS.reduced_loss.default)
+@_rule(_OPS.reduced_loss.default)
 def _reduced_loss(input, target, loss, param, reduction, output_mask, expected_grad_output=1.0, autocast=False):
     return _strategies([input, target] + [None] * 6, _shape(input, target), ["sum", *_gradients(output_mask)],
                        sharded=reduction == "sum")
 
 
-@register_sharding(_OPS.reduced_loss_backward.default)
+@_rule(_OPS.reduced_loss_backward.default)
 def _reduced_loss_backward(grad_output, input, target, loss, param, reduction, output_mask, history_slot=-1,
                            expected_grad_output=1.0, autocast=False):
     return _strategies([grad_output, input, target] + [None] * 7, _shape(input, target), _gradients(output_mask),
                        sharded=reduction == "sum")
 
 
-@register_sharding(_OPS.weighted_loss.default)
+@_rule(_OPS.weighted_loss.default)
 def _weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
                    expected_grad_output=1.0, autocast=False):
     return _strategies([input, target, weight, scale, divisor] + [None] * 6, _shape(input, target),
                        ["sum", *_gradients(output_mask)])
 
 
-@register_sharding(_OPS.weighted_loss_backward.default)
+@_rule(_OPS.weighted_loss_backward.default)
 def _weighted_loss_backward(grad_output, input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
                             history_slot=-1, expected_grad_output=1.0, autocast=False):
     return _strategies([grad_output, input, target, weight, scale, divisor] + [None] * 7, _shape(input, target),
                        _gradients(output_mask))
 
 
-def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None) -> bool:
+def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None,
+            reduction: str) -> bool:
     """DTensor operands on one mesh, sharded or replicated, whose local shards the fused
     kernels take; a weight and a scale that are DTensors on that mesh, plain tensors
     (taken as replicated) or absent. Anything else goes to torch.nn.functional, which
@@ -123,7 +150,54 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
             return False
         if isinstance(extra, Tensor) and extra.requires_grad and not isinstance(extra, DTensor):
             return False  # a plain tensor's gradient cannot come back from DTensor's
-    return routing.kernels_apply(input.to_local(), target.to_local())
+    # a mean or sum runs on the weighted family's operator (its global divisor)
+    return routing.kernels_apply(input.to_local(), target.to_local()) and (
+        reduction == "none" or build.use_kernels("weighted"))
+
+
+def on_local_shards(input: DTensor, target: DTensor, weight: Tensor | None, scale: float | Tensor | None,
+                    reduction: str, mean_over_count: bool,
+                    loss_of_shards: Callable[[Tensor, Tensor, str, Tensor | None, float | None], Tensor]
+                    ) -> DTensor | None:
+    """The common case without DTensor's dispatch: input, target (and a weight that needs no
+    gradient) of one shape and placements, a number or no scale, and no weighted mean that
+    divides by the weight's sum. Each rank computes ``loss_of_shards`` on its shards, the
+    one-GPU path (whose forward writes the gradients where it can); a mean or sum is the
+    ranks' partial sums, the mean's over the global count, all-reduced. None otherwise."""
+    placements = input.placements
+    if target.placements != placements or target.shape != input.shape:
+        return None
+    if weight is not None and not (isinstance(weight, DTensor) and weight.placements == placements
+                                   and weight.shape == input.shape and not weight.requires_grad):
+        return None
+    if not (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
+        return None
+    if reduction == "mean" and weight is not None and not mean_over_count:
+        return None
+    if reduction not in routing.MODES:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    mesh = input.device_mesh
+    local_weight = None if weight is None else weight.to_local()
+    if reduction == "none":
+        out = loss_of_shards(input.to_local(), target.to_local(), "none", local_weight, scale)
+        return DTensor.from_local(out, mesh, placements, run_check=False, shape=input.shape,
+                                  stride=_contiguous_strides(input.shape))
+    if reduction == "mean":
+        count = input.numel()
+        scale = (1.0 if scale is None else scale) / count if count else math.nan
+    partial = loss_of_shards(input.to_local(), target.to_local(), "sum", local_weight, scale)
+    # ranks along a mesh dimension the operands are sharded on hold parts of the sum
+    parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
+    out = DTensor.from_local(partial, mesh, parts, run_check=False, shape=torch.Size(()), stride=())
+    return out.redistribute(mesh, [Replicate()] * mesh.ndim)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
