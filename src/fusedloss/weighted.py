@@ -131,9 +131,8 @@ def _fused_weighted_loss(
                                                                           weight, family="weighted")
             if not mispredicted:
                 output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
-    return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight, device_scale, divisor, host_scale, loss,
-                  param, output_mask,
-                             slot, expected, float32_math)[0]
+    return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight,
+                         device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math)[0]
 
 
 def _torch_weighted(row: Loss) -> Callable[..., Tensor] | None:
