@@ -20,6 +20,7 @@ import itertools
 import re
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,7 +343,15 @@ def _run(
     size: Sequence[int] | None,
     seed: int,
 ) -> None:
-    """Fills ``result`` in; raises _Rejected at the first check ModelNew fails."""
+    """Fills ``result`` in; raises _Rejected at the first check ModelNew fails. Each stage's
+    end goes to stderr with the seconds so far, so a run cut short still says how far it got
+    (a build, and the full-size inputs drawn on the CPU, take minutes)."""
+    start = time.perf_counter()
+
+    def progress(stage: str) -> None:
+        print(f"[{result.problem} {result.inputs}] {stage} at {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
+
     if check_static and (violations := static_check(new_path.read_text())):
         raise _Rejected("static", "; ".join(violations))
     reference = load_module(ref_path)
@@ -365,6 +374,7 @@ def _run(
         model_new = new.ModelNew(*init_inputs).to(device)
     except Exception as error:
         raise _Rejected("load", f"ModelNew(): {type(error).__name__}: {error}") from error
+    progress("ModelNew built")
 
     # As KernelBench: one seed per trial, drawn from the base seed; a trial's inputs come from that seed.
     _set_seed(seed)
@@ -376,14 +386,16 @@ def _run(
         diff = _compare(expected, _call_new(model_new, args), "correctness", f"trial {number} (seed {trial_seed})")
         result.max_abs_diff = max(result.max_abs_diff, diff)
         result.correct_trials += 1
+        progress(f"correctness trial {number}")
     _check_perturbations(model, model_new, make_inputs, device, seed)
+    progress("perturbation check")
 
     if timing_trials:
         _set_seed(seed)
         args = _on(device, make_inputs())
-        result.timings["ModelNew"] = time_cuda(model_new, args, trials=timing_trials, device=device)
-        result.timings["eager"] = time_cuda(model, args, trials=timing_trials, device=device)
-        result.timings["torch.compile"] = time_cuda(torch.compile(model), args, trials=timing_trials, device=device)
+        for name, callable_ in (("ModelNew", model_new), ("eager", model), ("torch.compile", torch.compile(model))):
+            result.timings[name] = time_cuda(callable_, args, trials=timing_trials, device=device)
+            progress(f"{name} timed")
 
 
 def evaluate(
