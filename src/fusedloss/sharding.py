@@ -2,7 +2,7 @@
 operands to the fused kernels on each rank's own shards.
 
 The common case (input, target and any weight alike in shape and placements, no scale
-tensor, no mean over the weight's sum) skips DTensor's dispatch: ``on_local_shards``
+tensor) skips DTensor's dispatch: ``on_local_shards``
 runs the one-GPU path on the local shards, whose forward writes the gradients, and
 all-reduces the partial sums. Every other case goes through the operators and the rules
 below, DTensor redistributing the operands where they are placed unalike.
@@ -155,15 +155,15 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
         reduction == "none" or build.use_kernels("weighted"))
 
 
-def on_local_shards(input: DTensor, target: DTensor, weight: Tensor | None, scale: float | Tensor | None,
-                    reduction: str, mean_over_count: bool,
-                    loss_of_shards: Callable[[Tensor, Tensor, str, Tensor | None, float | None], Tensor]
+def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor | None,
+                    scale: float | Tensor | None, reduction: str,
+                    loss_of_shards: Callable[[Tensor, Tensor, str, Tensor | None, float | Tensor | None], Tensor]
                     ) -> DTensor | None:
     """The common case without DTensor's dispatch: input, target (and a weight that needs no
-    gradient) of one shape and placements, a number or no scale, and no weighted mean that
-    divides by the weight's sum. Each rank computes ``loss_of_shards`` on its shards, the
-    one-GPU path (whose forward writes the gradients where it can); a mean or sum is the
-    ranks' partial sums, the mean's over the global count, all-reduced. None otherwise."""
+    gradient) of one shape and placements, and a number or no scale. Each rank computes
+    ``loss_of_shards`` on its shards, the one-GPU path (whose forward writes the gradients
+    where it can); a mean or sum is the ranks' partial sums, a mean's scaled by one over the
+    global count or weight sum, all-reduced. None otherwise."""
     placements = input.placements
     if target.placements != placements or target.shape != input.shape:
         return None
@@ -171,8 +171,6 @@ def on_local_shards(input: DTensor, target: DTensor, weight: Tensor | None, scal
                                    and weight.shape == input.shape and not weight.requires_grad):
         return None
     if not (scale is None or (isinstance(scale, (int, float)) and not isinstance(scale, bool))):
-        return None
-    if reduction == "mean" and weight is not None and not mean_over_count:
         return None
     if reduction not in routing.MODES:
         raise ValueError(f"{reduction} is not a valid value for reduction")
@@ -182,12 +180,22 @@ def on_local_shards(input: DTensor, target: DTensor, weight: Tensor | None, scal
         out = loss_of_shards(input.to_local(), target.to_local(), "none", local_weight, scale)
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=input.shape,
                                   stride=_contiguous_strides(input.shape))
-    if reduction == "mean":
-        count = input.numel()
-        scale = (1.0 if scale is None else scale) / count if count else math.nan
-    partial = loss_of_shards(input.to_local(), target.to_local(), "sum", local_weight, scale)
-    # ranks along a mesh dimension the operands are sharded on hold parts of the sum
+    # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
+    if reduction == "mean":
+        factor = 1.0 if scale is None else scale
+        if local_weight is None or LOSSES[loss].weighted_mean_over_count:
+            count = input.numel()
+            scale = factor / count if count else math.nan
+        else:  # the weight's global sum, in the dtype the one-GPU mean sums it in
+            dtype = torch.float32 if routing.under_autocast(input, target) else formulas.loss_dtype(
+                input.dtype, target.dtype, loss)
+            if local_weight.is_floating_point():
+                dtype = torch.promote_types(dtype, local_weight.dtype)
+            total = DTensor.from_local(reductions.weight_sum(local_weight, dtype), mesh, parts, run_check=False,
+                                       shape=torch.Size(()), stride=()).full_tensor()
+            scale = factor / total
+    partial = loss_of_shards(input.to_local(), target.to_local(), "sum", local_weight, scale)
     out = DTensor.from_local(partial, mesh, parts, run_check=False, shape=torch.Size(()), stride=())
     return out.redistribute(mesh, [Replicate()] * mesh.ndim)
 
