@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 
 import secrets
 
@@ -149,6 +150,24 @@ def heavy_tailed(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     u = torch.rand(shape, dtype=torch.float64, device=device).clamp_min(1e-6)
     sign = torch.randint(0, 2, shape, device=device) * 2 - 1
     return ((u.pow(-0.5) - 1) * sign).to(dtype)
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world: int, init_file: str, device: str = "cpu"):
+    """A spawned rank's process group: gloo on the CPU, NCCL with one card per rank. A rank
+    that waits on a collective longer than two minutes fails rather than hangs, and at the
+    end the ranks meet before any tears the group down."""
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        yield
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def broadcast_warning(name: str, input, target):

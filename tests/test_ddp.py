@@ -5,15 +5,13 @@ kernels); with two GPUs: NCCL ranks on the CUDA kernels, one card each."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import process_group
 
-# a rank that waits on a collective longer than this fails rather than hangs
-TIMEOUT = timedelta(seconds=120)
 STEPS = 20
 BATCH = 16  # the whole batch; each of the 2 ranks trains on half
 
@@ -55,11 +53,7 @@ def _train(model, device, rank, world):
 
 
 def _worker(rank, device, init_file, results_dir):
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=2, timeout=TIMEOUT)
-    try:
+    with process_group(rank, 2, init_file, device):
         if device == "cpu":
             from conftest import cpu_through_operators
 
@@ -69,9 +63,6 @@ def _worker(rank, device, init_file, results_dir):
         gathered = [torch.empty_like(params) for _ in range(2)]
         dist.all_gather(gathered, params)
         torch.save([t.cpu() for t in gathered], Path(results_dir) / f"rank{rank}.pt")
-    finally:
-        dist.barrier()  # no rank tears the group down while another still uses it
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")

@@ -14,16 +14,13 @@ import itertools
 import random
 import traceback
 import zlib
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import LOSSES
+from conftest import LOSSES, process_group
 
-# a rank that waits on a collective longer than this fails rather than hangs
-TIMEOUT = timedelta(seconds=120)
 SHAPE = (7, 5, 3)  # uneven over 2 and 4 ranks along every dimension
 MESHES = {"cpu": ((4,), (2, 2)), "cuda": ((2,), (1, 2))}
 
@@ -108,131 +105,122 @@ def _run_case(case, mesh, device):
 
 def _worker(rank, device, init_file, results_dir):
     world = MESHES[device][0][0]
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=TIMEOUT)
-    failures, count, local = [], 0, 0
-    try:
-        from torch.distributed.tensor import init_device_mesh
+    with process_group(rank, world, init_file, device):
+        failures, count, local = [], 0, 0
+        try:
+            from torch.distributed.tensor import init_device_mesh
 
-        from conftest import cpu_through_operators
+            from conftest import cpu_through_operators
 
-        from fusedloss import sharding
-        if device == "cpu":
-            cpu_through_operators()
-        counted, on_local_shards = sharding.sharded_loss, sharding.on_local_shards
+            from fusedloss import sharding
+            if device == "cpu":
+                cpu_through_operators()
+            counted, on_local_shards = sharding.sharded_loss, sharding.on_local_shards
 
-        def counting(*args, **kwargs):  # the operators' route
-            counting.calls += 1
-            return counted(*args, **kwargs)
+            def counting(*args, **kwargs):  # the operators' route
+                counting.calls += 1
+                return counted(*args, **kwargs)
 
-        def counting_local(*args, **kwargs):  # the local shards' route, where it takes the call
-            out = on_local_shards(*args, **kwargs)
-            counting.calls += out is not None
-            counting.local += out is not None
-            return out
+            def counting_local(*args, **kwargs):  # the local shards' route, where it takes the call
+                out = on_local_shards(*args, **kwargs)
+                counting.calls += out is not None
+                counting.local += out is not None
+                return out
 
-        counting.calls = counting.local = 0
-        sharding.sharded_loss, sharding.on_local_shards = counting, counting_local
-        meshes = {}
-        for case in _cases(device):
-            shape = case["mesh_shape"]
-            mesh = meshes.setdefault(shape, init_device_mesh(device, shape))
-            count += 1
-            try:
-                _run_case(case, mesh, device)
-            except Exception as error:  # each failure is a result; the ranks keep in step
-                failures.append(f"{case}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
-    finally:
-        local = getattr(sharding.sharded_loss, "local", 0) if count else 0
-        (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count} {local}\n" + "\n".join(failures))
-        dist.barrier()  # no rank tears the group down while another still uses it
-        dist.destroy_process_group()
+            counting.calls = counting.local = 0
+            sharding.sharded_loss, sharding.on_local_shards = counting, counting_local
+            meshes = {}
+            for case in _cases(device):
+                shape = case["mesh_shape"]
+                mesh = meshes.setdefault(shape, init_device_mesh(device, shape))
+                count += 1
+                try:
+                    _run_case(case, mesh, device)
+                except Exception as error:  # each failure is a result; the ranks keep in step
+                    failures.append(f"{case}: {type(error).__name__}: {error}\n{traceback.format_exc(limit=3)}")
+        finally:
+            local = getattr(sharding.sharded_loss, "local", 0) if count else 0
+            (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count} {local}\n" + "\n".join(failures))
 
 
 def _other_losses_worker(rank, init_file, results_dir):
     """The losses a DTensor takes through torch operations (several quantiles, a tensor c,
     the Gaussian and Poisson NLL), against full tensors, unevenly sharded."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
-    failures = []
-    try:
-        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    with process_group(rank, 2, init_file):
+        failures = []
+        try:
+            from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-        from conftest import cpu_through_operators
+            from conftest import cpu_through_operators
 
-        import fusedloss
-        cpu_through_operators()
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        x, y, var = torch.randn(7, 5, 3), torch.randn(7, 5, 1), torch.rand(7, 5) + 0.5
-        counts = torch.poisson(torch.rand(7, 5, 3) * 4)
-        calls = {
-            "quantiles": lambda a, b, v, c, r: fusedloss.quantile_loss(a, b, [0.1, 0.5, 0.9], reduction=r),
-            "pseudo-huber c": lambda a, b, v, c, r: fusedloss.pseudo_huber_loss(a, b.expand(a.shape) * 1,
-                                                                               torch.tensor([0.5, 1.0, 2.0]),
-                                                                               reduction=r),
-            "gaussian": lambda a, b, v, c, r: fusedloss.gaussian_nll_loss(a, b.expand(a.shape) * 1, v, reduction=r),
-            "poisson": lambda a, b, v, c, r: fusedloss.poisson_nll_loss(a, c, reduction=r),
-        }
-        for (name, call), reduction, dim in itertools.product(calls.items(), ["none", "mean", "sum"], [0, 1]):
-            try:
-                full = [t.clone().requires_grad_(i == 0) for i, t in enumerate((x, y, var, counts))]
-                dx = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
-                sharded = [dx] + [distribute_tensor(t, mesh, [Shard(dim)]) for t in (y, var, counts)]
-                out, expected = call(*sharded, reduction), call(*full, reduction)
-                torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
-                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
-                got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
-                want, = torch.autograd.grad((expected * g).sum(), full[0])
-                torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
-            except Exception as error:  # each failure is a result; the ranks keep in step
-                failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
-    finally:
-        (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
-        dist.barrier()  # no rank tears the group down while another still uses it
-        dist.destroy_process_group()
+            import fusedloss
+            cpu_through_operators()
+            mesh = init_device_mesh("cpu", (2,))
+            torch.manual_seed(0)
+            x, y, var = torch.randn(7, 5, 3), torch.randn(7, 5, 1), torch.rand(7, 5) + 0.5
+            counts = torch.poisson(torch.rand(7, 5, 3) * 4)
+            calls = {
+                "quantiles": lambda a, b, v, c, r: fusedloss.quantile_loss(a, b, [0.1, 0.5, 0.9], reduction=r),
+                "pseudo-huber c": lambda a, b, v, c, r: fusedloss.pseudo_huber_loss(a, b.expand(a.shape) * 1,
+                                                                                   torch.tensor([0.5, 1.0, 2.0]),
+                                                                                   reduction=r),
+                "gaussian": lambda a, b, v, c, r: fusedloss.gaussian_nll_loss(a, b.expand(a.shape) * 1, v, reduction=r),
+                "poisson": lambda a, b, v, c, r: fusedloss.poisson_nll_loss(a, c, reduction=r),
+            }
+            for (name, call), reduction, dim in itertools.product(calls.items(), ["none", "mean", "sum"], [0, 1]):
+                try:
+                    full = [t.clone().requires_grad_(i == 0) for i, t in enumerate((x, y, var, counts))]
+                    dx = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
+                    sharded = [dx] + [distribute_tensor(t, mesh, [Shard(dim)]) for t in (y, var, counts)]
+                    out, expected = call(*sharded, reduction), call(*full, reduction)
+                    torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
+                    g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+                    got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
+                    want, = torch.autograd.grad((expected * g).sum(), full[0])
+                    torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
+                except Exception as error:  # each failure is a result; the ranks keep in step
+                    failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
+        finally:
+            (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
 
 
 def _cache_worker(rank, init_file, results_dir):
     """Calls alike in their DTensor operands and unlike in the rest (which gradients are
     asked for, which optional operands are given, the loss): each gets its own placements
     from DTensor's cache of decisions, so each matches the full tensors."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=TIMEOUT)
-    failures = []
-    try:
-        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    with process_group(rank, 2, init_file):
+        failures = []
+        try:
+            from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-        from conftest import cpu_through_operators
+            from conftest import cpu_through_operators
 
-        import fusedloss
-        cpu_through_operators()
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        x, y, w = torch.randn(6, 5), torch.randn(6, 5), torch.rand(6, 5) + 0.5
-        calls = [("mse", "mean", False, None), ("mse", "mean", True, None), ("mse", "sum", True, w),
-                 ("mse", "sum", False, w), ("l1", "sum", True, None), ("l1", "none", True, None)]
-        for name, reduction, target_grad, weight in calls:
-            fn = getattr(fusedloss, LOSSES[name][0].__name__)
-            dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
-            dy = distribute_tensor(y, mesh, [Shard(0)]).requires_grad_(target_grad)
-            dw = None if weight is None else distribute_tensor(weight, mesh, [Shard(0)])
-            fx, fy = x.clone().requires_grad_(), y.clone().requires_grad_(target_grad)
-            out, expected = fn(dx, dy, reduction=reduction, weight=dw), fn(fx, fy, reduction=reduction, weight=weight)
-            try:
-                torch.testing.assert_close(out.full_tensor(), expected)
-                wrt = (dx, dy) if target_grad else (dx,)
-                got = torch.autograd.grad(out.full_tensor().sum(), wrt)
-                want = torch.autograd.grad(expected.sum(), (fx, fy) if target_grad else (fx,))
-                for a, b in zip(got, want):
-                    torch.testing.assert_close(a.full_tensor(), b)
-            except Exception as error:  # each failure is a result; the ranks keep in step
-                failures.append(f"{name} {reduction} target grad {target_grad} weight {weight is not None}: "
-                                f"{type(error).__name__}: {str(error)[:300]}")
-    finally:
-        (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
-        dist.barrier()  # no rank tears the group down while another still uses it
-        dist.destroy_process_group()
+            import fusedloss
+            cpu_through_operators()
+            mesh = init_device_mesh("cpu", (2,))
+            torch.manual_seed(0)
+            x, y, w = torch.randn(6, 5), torch.randn(6, 5), torch.rand(6, 5) + 0.5
+            calls = [("mse", "mean", False, None), ("mse", "mean", True, None), ("mse", "sum", True, w),
+                     ("mse", "sum", False, w), ("l1", "sum", True, None), ("l1", "none", True, None)]
+            for name, reduction, target_grad, weight in calls:
+                fn = getattr(fusedloss, LOSSES[name][0].__name__)
+                dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+                dy = distribute_tensor(y, mesh, [Shard(0)]).requires_grad_(target_grad)
+                dw = None if weight is None else distribute_tensor(weight, mesh, [Shard(0)])
+                fx, fy = x.clone().requires_grad_(), y.clone().requires_grad_(target_grad)
+                out, expected = fn(dx, dy, reduction=reduction, weight=dw), fn(fx, fy, reduction=reduction, weight=weight)
+                try:
+                    torch.testing.assert_close(out.full_tensor(), expected)
+                    wrt = (dx, dy) if target_grad else (dx,)
+                    got = torch.autograd.grad(out.full_tensor().sum(), wrt)
+                    want = torch.autograd.grad(expected.sum(), (fx, fy) if target_grad else (fx,))
+                    for a, b in zip(got, want):
+                        torch.testing.assert_close(a.full_tensor(), b)
+                except Exception as error:  # each failure is a result; the ranks keep in step
+                    failures.append(f"{name} {reduction} target grad {target_grad} weight {weight is not None}: "
+                                    f"{type(error).__name__}: {str(error)[:300]}")
+        finally:
+            (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -271,11 +259,7 @@ def _training_worker(rank, device, init_file, results_dir):
     last dimension, evenly (20 outputs) and unevenly (21): the loss with fusedloss (its
     sharded route), with torch.nn.functional on the DTensors (DTensor's own rules), and with
     torch.nn.functional on one rank's unsharded model, all from the same start."""
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=2, timeout=TIMEOUT)
-    try:
+    with process_group(rank, 2, init_file, device):
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -317,9 +301,6 @@ def _training_worker(rank, device, init_file, results_dir):
                     losses[name].append(loss.full_tensor().item() if parallel else loss.item())
             lines += [f"{outputs} {a!r} {b!r} {c!r}" for a, b, c in zip(*losses.values())]
         (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join([str(len(used))] + lines))
-    finally:
-        dist.barrier()  # no rank tears the group down while another still uses it
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
