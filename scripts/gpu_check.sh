@@ -41,8 +41,9 @@ from fusedloss import build; build.load(); print(f'cached load {time.perf_counte
   multi-gpu)
     # NVLink multicast off (the device's notes say why); the tests import the installed wheel.
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    python3 -m pip install -q --no-deps --no-compile --target /tmp/site "$1" || exit 1
-    export PYTHONPATH=/tmp/site
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-deps --no-compile --target "$site" "$1" || exit 1
+    export PYTHONPATH=$site
     {
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       python3 -c "import torch, fusedloss; print('torch', torch.__version__, 'fusedloss from', fusedloss.__file__)"

@@ -179,7 +179,7 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
     if reduction == "none":
         out = loss_of_shards(input.to_local(), target.to_local(), "none", local_weight, scale)
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=input.shape,
-                                  stride=_contiguous_strides(input.shape))
+                                  stride=torch.empty(input.shape, device="meta").stride())
     # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
     if reduction == "mean":
@@ -198,14 +198,6 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
     partial = loss_of_shards(input.to_local(), target.to_local(), "sum", local_weight, scale)
     out = DTensor.from_local(partial, mesh, parts, run_check=False, shape=torch.Size(()), stride=())
     return out.redistribute(mesh, [Replicate()] * mesh.ndim)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
