@@ -4,9 +4,10 @@ at the same local size: bf16 MSE, each rank holding 2^26 elements of a (ranks * 
 
 Device time of ``p.grad = None; loss.backward()`` with CUDA events behind a queued GPU
 sleep (host time out), and wall time per step of steps back to back (host time in), the
-medians of `--reps`; the sharded step includes the all-reduce of the loss, which the
-single step has no need of. Then the host syncs of one step of each, as PyTorch's sync
-debug mode finds them. Run one process per GPU:
+medians of `--reps`. The loss is left a Partial DTensor, as DTensor leaves its own, so
+neither step has a collective. Beside them, the line fusedloss replaces: DTensor's own
+``F.mse_loss`` on the same operands. Then the host syncs of one step of each, as
+PyTorch's sync debug mode finds them. Run one process per GPU:
 
     torchrun --nproc-per-node 2 benchmarks/sharded_step.py
 """
@@ -22,6 +23,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 import fusedloss
@@ -100,25 +102,30 @@ def main() -> None:
         p.grad = None
         fusedloss.mse_loss(p, t).backward()
 
+    def dtensor_own() -> None:
+        p.grad = None
+        F.mse_loss(p, t).backward()
+
     def single() -> None:
         local_p.grad = None
         fusedloss.mse_loss(local_p, local_t).backward()
 
+    steps = (("sharded", sharded), ("single", single), ("F on DTensor", dtensor_own))
     device, wall = {}, {}
-    for turn in range(2):  # the two take turns, so drift weighs on both
-        for name, step in (("sharded", sharded), ("single", single))[:: 1 if turn == 0 else -1]:
+    for turn in range(2):  # they take turns, so drift weighs on each
+        for name, step in steps[:: 1 if turn == 0 else -1]:
             device.setdefault(name, []).append(_device_ms(step, args.reps))
             wall.setdefault(name, []).append(_wall_ms(step, args.reps))
     device_ms = {name: statistics.median(times) for name, times in device.items()}
     wall_ms = {name: statistics.median(times) for name, times in wall.items()}
-    syncs = {name: _host_syncs(step) for name, step in (("sharded", sharded), ("single", single))}
+    syncs = {name: _host_syncs(step) for name, step in steps}
     if rank == 0:
         print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; {world} ranks; "
               f"{local_p.numel()} bf16 elements per rank")
         for label, ms in (("device time", device_ms), ("wall time, host included", wall_ms)):
             print(f"{label}: sharded step {ms['sharded']:.3f} ms, single-GPU step {ms['single']:.3f} ms, "
-                  f"ratio {ms['sharded'] / ms['single']:.3f}")
-        print(f"host syncs in one step: sharded {len(syncs['sharded'])}, single-GPU {len(syncs['single'])}")
+                  f"ratio {ms['sharded'] / ms['single']:.3f}; DTensor's F.mse_loss step {ms['F on DTensor']:.3f} ms")
+        print("host syncs in one step: " + ", ".join(f"{name} {len(stacks)}" for name, stacks in syncs.items()))
         for name, stacks in syncs.items():
             for stack in stacks:
                 print(f"-- a host sync in the {name} step:\n{stack}")

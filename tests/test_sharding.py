@@ -91,8 +91,9 @@ def _run_case(case, mesh, device):
     expected = fn(full_x, y, weight=full_w, **kwargs)
     got = out.full_tensor()
     torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-6, msg="value")
-    if case["reduction"] != "none" and case["dim"] is None and not case.get("partial_input"):  # the fused route's
-        assert all(isinstance(p, Replicate) for p in out.placements), out.placements
+    if case["reduction"] != "none" and case["dim"] is None and not case.get("partial_input"):
+        # a pending sum where DTensor ran the loss sharded, as its own reductions leave it
+        assert all(p.is_replicate() or p == Partial() for p in out.placements), out.placements
     g = torch.randn(expected.shape).to(device)
     wrt = [dx] + ([dw] if case["weight"] == "sharded" else [])
     grads = torch.autograd.grad((got * g).sum(), wrt)

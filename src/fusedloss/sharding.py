@@ -4,7 +4,8 @@ operands to the fused kernels on each rank's own shards.
 The common case (input, target and any weight alike in shape and placements, no scale
 tensor) skips DTensor's dispatch: ``on_local_shards``
 runs the one-GPU path on the local shards, whose forward writes the gradients, and
-all-reduces the partial sums. Every other case goes through the operators and the rules
+returns the ranks' partial sums as a ``Partial`` DTensor, as DTensor's own reductions do
+(``full_tensor()`` adds them up; the backward needs no collective). Every other case goes through the operators and the rules
 below, DTensor redistributing the operands where they are placed unalike.
 
 A rule offers, for each dimension of the loss's shape, the strategy that shards the loss
@@ -162,8 +163,8 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
     """The common case without DTensor's dispatch: input, target (and a weight that needs no
     gradient) of one shape and placements, and a number or no scale. Each rank computes
     ``loss_of_shards`` on its shards, the one-GPU path (whose forward writes the gradients
-    where it can); a mean or sum is the ranks' partial sums, a mean's scaled by one over the
-    global count or weight sum, all-reduced. None otherwise."""
+    where it can); a mean or sum is the ranks' partial sums (a mean's scaled by one over the
+    global count or the all-reduced weight sum), left Partial. None otherwise."""
     placements = input.placements
     if target.placements != placements or target.shape != input.shape:
         return None
@@ -196,15 +197,14 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
                                        shape=torch.Size(()), stride=()).full_tensor()
             scale = factor / total
     partial = loss_of_shards(input.to_local(), target.to_local(), "sum", local_weight, scale)
-    out = DTensor.from_local(partial, mesh, parts, run_check=False, shape=torch.Size(()), stride=())
-    return out.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return DTensor.from_local(partial, mesh, parts, run_check=False, shape=torch.Size(()), stride=())
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
                  scale: float | Tensor | None) -> DTensor:
     """The loss on DTensor operands (``applies``): each rank's fused kernels on its shards.
     A mean or sum is a partial sum of the global result (every mean scaled by the global
-    count or weight sum), reduced across the mesh before it is returned; ``'none'`` is
+    count or weight sum), left Partial where DTensor ran it sharded; ``'none'`` is
     sharded like the loss."""
     if reduction not in routing.MODES:
         raise ValueError(f"{reduction} is not a valid value for reduction")
@@ -235,5 +235,4 @@ def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduc
     out = ops.WeightedLoss.apply(input, target, weight, None if scale_needs_grad or not isinstance(scale, Tensor)
                                  else scale, divisor, host_scale, loss, param, [False, False, False], -1, 1.0,
                                  autocast)[0]
-    out = out.redistribute(mesh, replicated)
     return out * scale if scale_needs_grad else out
