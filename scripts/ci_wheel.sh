@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI: a wheel that carries the compiled kernels, built on a machine with no GPU against a
 # CUDA build of torch with NVIDIA's pip compiler (scripts/ci_cuda_build.sh's environment),
-# for sm_90; then installed into a fresh environment with no compiler to call: CUDA_HOME
-# unset, no nvcc on the PATH, CXX a command that fails, an empty TORCH_EXTENSIONS_DIR.
+# for sm_90, and tagged manylinux (scripts/build_wheel.sh); then installed into a fresh
+# environment with no compiler to call: CUDA_HOME unset, no nvcc on the PATH, CXX a
+# command that fails, an empty TORCH_EXTENSIONS_DIR.
 # Fails unless the wheel carries the kernels, every operator gets its CUDA kernel from
 # them, and nothing was compiled.
 set -euo pipefail
@@ -17,13 +18,13 @@ if ! "$builder/bin/python" -c "from fusedloss import build; build.find_toolkit()
 fi
 
 SECONDS=0
-env -u CUDA_HOME -u CUDA_PATH TORCH_CUDA_ARCH_LIST=9.0 "$builder/bin/python" -m pip wheel -q --no-build-isolation \
-  --no-deps -w "$work/wheel" .
+env -u CUDA_HOME -u CUDA_PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHON="$builder/bin/python" bash scripts/build_wheel.sh \
+  "$work/wheel"
 wheel=$(ls "$work"/wheel/fusedloss-*.whl)
 echo "built $(basename "$wheel") in ${SECONDS} s: $(du -m "$wheel" | cut -f1) MB"
 case "$(basename "$wheel")" in
-  *-cp310-abi3-*) ;;
-  *) echo "ci_wheel: the wheel is not tagged cp310-abi3: $(basename "$wheel")" >&2; exit 1 ;;
+  *-cp310-abi3-manylinux_*_x86_64.whl) ;;
+  *) echo "ci_wheel: the wheel is not tagged cp310-abi3 manylinux: $(basename "$wheel")" >&2; exit 1 ;;
 esac
 python3 -m zipfile -l "$wheel" | grep -E "fusedloss/(_[a-z]+_kernels[^ ]*\.so|_kernels\.json)"
 
