@@ -10,6 +10,7 @@ GPUs: 2 ranks of NCCL on the CUDA kernels, 1-D and 2-D meshes of them."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import traceback
@@ -144,100 +145,103 @@ def _worker(rank, device, init_file, results_dir):
             (Path(results_dir) / f"rank{rank}.txt").write_text(f"{count} {local}\n" + "\n".join(failures))
 
 
-def _other_losses_worker(rank, init_file, results_dir):
-    """The losses a DTensor takes through torch operations (several quantiles, a tensor c,
-    the Gaussian and Poisson NLL), against full tensors, unevenly sharded."""
+@contextlib.contextmanager
+def _two_cpu_ranks(rank, init_file, results_dir):
+    """A spawned rank of two on gloo, through fusedloss's CPU operators: yields a 1-D mesh
+    and the list of failures, which goes to the rank's results file at the end."""
     with process_group(rank, 2, init_file):
         failures = []
         try:
-            from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+            from torch.distributed.tensor import init_device_mesh
 
             from conftest import cpu_through_operators
 
-            import fusedloss
             cpu_through_operators()
             mesh = init_device_mesh("cpu", (2,))
             torch.manual_seed(0)
-            x, y, var = torch.randn(7, 5, 3), torch.randn(7, 5, 1), torch.rand(7, 5) + 0.5
-            counts = torch.poisson(torch.rand(7, 5, 3) * 4)
-            calls = {
-                "quantiles": lambda a, b, v, c, r: fusedloss.quantile_loss(a, b, [0.1, 0.5, 0.9], reduction=r),
-                "pseudo-huber c": lambda a, b, v, c, r: fusedloss.pseudo_huber_loss(a, b.expand(a.shape) * 1,
-                                                                                   torch.tensor([0.5, 1.0, 2.0]),
-                                                                                   reduction=r),
-                "gaussian": lambda a, b, v, c, r: fusedloss.gaussian_nll_loss(a, b.expand(a.shape) * 1, v, reduction=r),
-                "poisson": lambda a, b, v, c, r: fusedloss.poisson_nll_loss(a, c, reduction=r),
-            }
-            for (name, call), reduction, dim in itertools.product(calls.items(), ["none", "mean", "sum"], [0, 1]):
-                try:
-                    full = [t.clone().requires_grad_(i == 0) for i, t in enumerate((x, y, var, counts))]
-                    dx = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
-                    sharded = [dx] + [distribute_tensor(t, mesh, [Shard(dim)]) for t in (y, var, counts)]
-                    out, expected = call(*sharded, reduction), call(*full, reduction)
-                    torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
-                    g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
-                    got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
-                    want, = torch.autograd.grad((expected * g).sum(), full[0])
-                    torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
-                except Exception as error:  # each failure is a result; the ranks keep in step
-                    failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
+            yield mesh, failures
         finally:
             (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
+
+
+def _spawn_two_cpu_ranks(worker, tmp_path) -> None:
+    """Runs `worker` on two CPU ranks; each rank's failures fail the test."""
+    torch.multiprocessing.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        failures = (tmp_path / f"rank{rank}.txt").read_text()
+        assert not failures, failures
+
+
+def _other_losses_worker(rank, init_file, results_dir):
+    """The losses a DTensor takes through torch operations (several quantiles, a tensor c,
+    the Gaussian and Poisson NLL), against full tensors, unevenly sharded."""
+    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        import fusedloss
+        x, y, var = torch.randn(7, 5, 3), torch.randn(7, 5, 1), torch.rand(7, 5) + 0.5
+        counts = torch.poisson(torch.rand(7, 5, 3) * 4)
+        calls = {
+            "quantiles": lambda a, b, v, c, r: fusedloss.quantile_loss(a, b, [0.1, 0.5, 0.9], reduction=r),
+            "pseudo-huber c": lambda a, b, v, c, r: fusedloss.pseudo_huber_loss(a, b.expand(a.shape) * 1,
+                                                                               torch.tensor([0.5, 1.0, 2.0]),
+                                                                               reduction=r),
+            "gaussian": lambda a, b, v, c, r: fusedloss.gaussian_nll_loss(a, b.expand(a.shape) * 1, v, reduction=r),
+            "poisson": lambda a, b, v, c, r: fusedloss.poisson_nll_loss(a, c, reduction=r),
+        }
+        for (name, call), reduction, dim in itertools.product(calls.items(), ["none", "mean", "sum"], [0, 1]):
+            try:
+                full = [t.clone().requires_grad_(i == 0) for i, t in enumerate((x, y, var, counts))]
+                dx = distribute_tensor(x, mesh, [Shard(dim)]).requires_grad_()
+                sharded = [dx] + [distribute_tensor(t, mesh, [Shard(dim)]) for t in (y, var, counts)]
+                out, expected = call(*sharded, reduction), call(*full, reduction)
+                torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
+                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+                got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
+                want, = torch.autograd.grad((expected * g).sum(), full[0])
+                torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
 
 
 def _cache_worker(rank, init_file, results_dir):
     """Calls alike in their DTensor operands and unlike in the rest (which gradients are
     asked for, which optional operands are given, the loss): each gets its own placements
     from DTensor's cache of decisions, so each matches the full tensors."""
-    with process_group(rank, 2, init_file):
-        failures = []
-        try:
-            from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Shard, distribute_tensor
 
-            from conftest import cpu_through_operators
-
-            import fusedloss
-            cpu_through_operators()
-            mesh = init_device_mesh("cpu", (2,))
-            torch.manual_seed(0)
-            x, y, w = torch.randn(6, 5), torch.randn(6, 5), torch.rand(6, 5) + 0.5
-            calls = [("mse", "mean", False, None), ("mse", "mean", True, None), ("mse", "sum", True, w),
-                     ("mse", "sum", False, w), ("l1", "sum", True, None), ("l1", "none", True, None)]
-            for name, reduction, target_grad, weight in calls:
-                fn = getattr(fusedloss, LOSSES[name][0].__name__)
-                dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
-                dy = distribute_tensor(y, mesh, [Shard(0)]).requires_grad_(target_grad)
-                dw = None if weight is None else distribute_tensor(weight, mesh, [Shard(0)])
-                fx, fy = x.clone().requires_grad_(), y.clone().requires_grad_(target_grad)
-                out, expected = fn(dx, dy, reduction=reduction, weight=dw), fn(fx, fy, reduction=reduction, weight=weight)
-                try:
-                    torch.testing.assert_close(out.full_tensor(), expected)
-                    wrt = (dx, dy) if target_grad else (dx,)
-                    got = torch.autograd.grad(out.full_tensor().sum(), wrt)
-                    want = torch.autograd.grad(expected.sum(), (fx, fy) if target_grad else (fx,))
-                    for a, b in zip(got, want):
-                        torch.testing.assert_close(a.full_tensor(), b)
-                except Exception as error:  # each failure is a result; the ranks keep in step
-                    failures.append(f"{name} {reduction} target grad {target_grad} weight {weight is not None}: "
-                                    f"{type(error).__name__}: {str(error)[:300]}")
-        finally:
-            (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
+        import fusedloss
+        x, y, w = torch.randn(6, 5), torch.randn(6, 5), torch.rand(6, 5) + 0.5
+        calls = [("mse", "mean", False, None), ("mse", "mean", True, None), ("mse", "sum", True, w),
+                 ("mse", "sum", False, w), ("l1", "sum", True, None), ("l1", "none", True, None)]
+        for name, reduction, target_grad, weight in calls:
+            fn = getattr(fusedloss, LOSSES[name][0].__name__)
+            dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+            dy = distribute_tensor(y, mesh, [Shard(0)]).requires_grad_(target_grad)
+            dw = None if weight is None else distribute_tensor(weight, mesh, [Shard(0)])
+            fx, fy = x.clone().requires_grad_(), y.clone().requires_grad_(target_grad)
+            out, expected = fn(dx, dy, reduction=reduction, weight=dw), fn(fx, fy, reduction=reduction, weight=weight)
+            try:
+                torch.testing.assert_close(out.full_tensor(), expected)
+                wrt = (dx, dy) if target_grad else (dx,)
+                got = torch.autograd.grad(out.full_tensor().sum(), wrt)
+                want = torch.autograd.grad(expected.sum(), (fx, fy) if target_grad else (fx,))
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a.full_tensor(), b)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} target grad {target_grad} weight {weight is not None}: "
+                                f"{type(error).__name__}: {str(error)[:300]}")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path):
-    torch.multiprocessing.spawn(_cache_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        failures = (tmp_path / f"rank{rank}.txt").read_text()
-        assert not failures, failures
+    _spawn_two_cpu_ranks(_cache_worker, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 def test_the_losses_beside_the_table_take_dtensors(tmp_path):
-    torch.multiprocessing.spawn(_other_losses_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        failures = (tmp_path / f"rank{rank}.txt").read_text()
-        assert not failures, failures
+    _spawn_two_cpu_ranks(_other_losses_worker, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")

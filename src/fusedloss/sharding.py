@@ -2,10 +2,10 @@
 operands to the fused kernels on each rank's own shards.
 
 The common case (input, target and any weight alike in shape and placements, no scale
-tensor) skips DTensor's dispatch: ``on_local_shards``
-runs the one-GPU path on the local shards, whose forward writes the gradients, and
-returns the ranks' partial sums as a ``Partial`` DTensor, as DTensor's own reductions do
-(``full_tensor()`` adds them up; the backward needs no collective). Every other case goes through the operators and the rules
+tensor) skips DTensor's dispatch: ``on_local_shards`` runs the one-GPU path on the local
+shards, whose forward writes the gradients, and returns the ranks' partial sums as a
+``Partial`` DTensor, as DTensor's own reductions do (``full_tensor()`` adds them up; the
+backward needs no collective). Every other case goes through the operators and the rules
 below, DTensor redistributing the operands where they are placed unalike.
 
 A rule offers, for each dimension of the loss's shape, the strategy that shards the loss
