@@ -9,7 +9,7 @@ weighted reductions with each weight layout (none, one value, one to three
 runs of dimensions, runs shorter than a chunk, the loss's own size), scale
 on the host and on the device, and a weight that requires grad (its gradient
 written beside the input's), and a weight of five runs; reduction='none' backward
-with a grad_output expanded by a sum over some dimensions.
+with a grad_output expanded by a sum over some dimensions; per-sample losses (dim=).
 """
 
 from __future__ import annotations
@@ -104,6 +104,16 @@ def main() -> None:
             input = operand(n, in_dtype, offset).view(shape)
             target = operand(n, tgt_dtype, offset).view(shape)
             fn(input, target, reduction="none", **kwargs).sum(dim=dims).sum().backward()
+        cases += 1
+    # dim= over the trailing dimensions: the per-sample pass, rows of one tile, of several
+    # (with a partial last tile), and of none (empty rows), every dtype pair, mean and sum.
+    for (name, (fn, kwargs)), (in_dtype, tgt_dtype), shape in itertools.product(
+        LOSSES.items(), DTYPE_PAIRS, [(6, 5, 8, 9), (3, 2, 4104), (4, 0, 8)]
+    ):
+        n = math.prod(shape)
+        input, target = operand(n, in_dtype, 0).view(shape), operand(n, tgt_dtype, 0).view(shape)
+        for reduction in ("mean", "sum"):
+            fn(input, target, reduction=reduction, dim=(1, 2), **kwargs).sum().backward()
         cases += 1
     torch.cuda.synchronize()
     print(f"sanitizer cases: {cases} configurations ran")

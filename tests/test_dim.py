@@ -167,3 +167,35 @@ def test_cuda_bf16_per_sample_mean(name):
     out = _call(name, x, y, dim=(1, 2, 3))
     assert out.dtype == torch.bfloat16 and out.shape == (8,)
     _close(out, _expected(name, x, y, "mean", (1, 2, 3)), torch.bfloat16)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", LOSSES)
+def test_cuda_per_sample_pass(monkeypatch, name, reduction, dtype):
+    """dim= over the trailing dimensions of a batch: the per-sample operator's one pass over
+    rows of several tiles each, against float64, with the same bits on every run; the
+    gradients of both operands for a grad_output of several magnitudes."""
+    from fusedloss import routing
+
+    calls = []
+    fused = routing.fused_per_sample_loss
+    monkeypatch.setattr(routing, "fused_per_sample_loss", lambda *args: calls.append(args) or fused(*args))
+    shape = (5, 3, 40, 72)
+    bound = 8 if dtype in (torch.float16, torch.bfloat16) else 1e3  # a 16-bit loss per sample stays finite
+    x = heavy_tailed(shape, device="cuda").clamp(-bound, bound).to(dtype).requires_grad_()
+    y = heavy_tailed(shape, device="cuda").clamp(-bound, bound).to(dtype).requires_grad_()
+    out = _call(name, x, y, reduction=reduction, dim=(1, 2, 3))
+    assert len(calls) == 1 and out.shape == (5,) and out.dtype == dtype
+    assert torch.equal(out, _call(name, x, y, reduction=reduction, dim=(1, 2, 3)))
+    x64, y64 = (t.detach().double().requires_grad_() for t in (x, y))
+    expected = _expected(name, x64, y64, reduction, (1, 2, 3))
+    _close(out, expected.detach(), dtype, bound=expected.abs().max().item())
+    scales = [100.0, 2.0**8] if dtype == torch.float16 else [1000.0, 2.0**16]  # loss scales float16 can hold
+    grad_output = torch.tensor([1.0, 0.37, *scales, -3.0], device="cuda").to(dtype)
+    got = torch.autograd.grad(out, (x, y), grad_output)
+    want = torch.autograd.grad(expected, (x64, y64), grad_output.double())
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        _close(g, w, dtype, bound=w.abs().max().item())

@@ -237,6 +237,37 @@ def _cache_worker(rank, init_file, results_dir):
                                 f"{type(error).__name__}: {str(error)[:300]}")
 
 
+def _per_sample_worker(rank, init_file, results_dir):
+    """The per-sample operator on operands sharded along a kept or a reduced dimension, or
+    replicated, against full tensors, values and gradients."""
+    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from fusedloss import sharding  # noqa: F401  (registers the operators' rules)
+        op = torch.ops.fusedloss.per_sample_loss.default
+        x, y = torch.randn(7, 5, 8), torch.randn(7, 5, 8)
+        for placement, reduction, loss in itertools.product([Shard(0), Shard(1), Shard(2), Replicate()],
+                                                            ["mean", "sum"], ["mse", "huber"]):
+            try:
+                fx = x.clone().requires_grad_()
+                dx = distribute_tensor(x, mesh, [placement]).requires_grad_()
+                dy = distribute_tensor(y, mesh, [placement])
+                out, expected = op(dx, dy, loss, 1.0, 1, reduction), op(fx, y, loss, 1.0, 1, reduction)
+                assert out.shape == expected.shape == (7,)
+                torch.testing.assert_close(out.full_tensor(), expected)
+                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+                got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
+                want, = torch.autograd.grad((expected * g).sum(), fx)
+                torch.testing.assert_close(got.full_tensor(), want)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{loss} {reduction} {placement}: {type(error).__name__}: {str(error)[:300]}")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_the_per_sample_operator_takes_dtensors(tmp_path):
+    _spawn_two_cpu_ranks(_per_sample_worker, tmp_path)
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path):
     _spawn_two_cpu_ranks(_cache_worker, tmp_path)

@@ -99,9 +99,9 @@ FAMILIES = {
         "plain", "plain_ops.cpp",
         ("pointwise_loss.cu", "pointwise_loss_backward.cu", "reduced_loss.cu", "reduced_loss_backward.cu",
          "reduced_loss_blockwise.cu", "reduced_loss_input_and_target_gradients.cu", "reduced_loss_input_gradient.cu",
-         "reduced_loss_no_gradient.cu"),
+         "reduced_loss_no_gradient.cu", "per_sample_loss.cu"),
         ("pointwise_loss", "pointwise_loss_backward", "reduced_loss", "reduced_loss_backward",
-         "reduced_loss_backward_"),
+         "reduced_loss_backward_", "per_sample_loss"),
     ),
     "weighted": Family(
         "weighted", "weighted_ops.cpp",

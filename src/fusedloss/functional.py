@@ -44,7 +44,9 @@ over those dimensions only, as ``torch.mean`` and ``torch.sum`` do, and
 ``'sum'``. ``mse_loss(p, t, dim=(1, 2, 3))`` is the per-sample MSE of a batch of
 images. With a weight, the mean over ``dim`` divides by the weight summed over
 ``dim`` as if expanded (Huber's by the count); ``scale`` multiplies the result.
-The loss per element is fused; the reduction over ``dim`` is torch's.
+Over the trailing dimensions of operands of one shape (``dim=(1, 2, 3)`` of a batch)
+without a weight, the loss and its reduction are one fused pass, and backward another;
+otherwise the loss per element is fused and the reduction over ``dim`` is torch's.
 """
 from __future__ import annotations
 
@@ -364,10 +366,22 @@ def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, redu
 def _reduced_over(row: Loss, name: str, input: Tensor, target: Tensor, size_average: bool | None,
                   reduce: bool | None, reduction: str, param: float | Tensor, weight: Tensor | None,
                   scale: float | Tensor | None, dim: Dims, keepdim: bool) -> Tensor:
-    """The loss reduced over ``dim`` only: the loss per element (fused where the kernels
-    apply), then the weight, the reduction and the scale with torch operations."""
+    """The loss reduced over ``dim`` only: in one pass where the kernels apply and ``dim``
+    names the trailing dimensions (a per-sample loss), then the scale; else the loss per
+    element (fused where the kernels apply), then the weight, the reduction and the scale
+    with torch operations."""
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
+    if (weight is None and isinstance(param, float) and reduction in ("mean", "sum")
+            and routing.kernels_apply(input, target)):
+        dims = reductions.as_dims(dim, input.dim())
+        kept = routing.per_sample_kept_dims(input, target, dims)
+        if kept is not None:
+            kernel_loss = row.param_zero_is if param == 0.0 and row.param_zero_is else name
+            out = routing.fused_per_sample_loss(kernel_loss, param, input, target, reduction, kept)
+            if keepdim:
+                out = out.reshape(out.shape + (1,) * len(dims))
+            return reductions.reduce(out, "none", None, scale)
     per_element = _loss(name, input, target, None, None, "none", param, None, None)
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim, row.weighted_mean_over_count)
 

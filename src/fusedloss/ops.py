@@ -26,6 +26,11 @@ broadcast shape and autograd sums them to each operand's own shape.
   one pass. ``pointwise_loss_backward_broadcast`` is the backward for a
   grad_output expanded over some dimensions (the backward of a sum over them),
   read where it lies (the weighted family's; the plain one copies it first).
+- ``per_sample_loss``: the loss reduced (mean or sum) over every dimension after the
+  first ``kept_dims`` in one pass, one value per element of those (``dim=`` over
+  trailing dimensions, a per-sample loss); the reduced dimensions' elements must make a
+  whole number of 16-byte words in each operand's dtype, and there are at most 65535
+  rows. Its backward is ``reduction='none'``'s for grad_output expanded over them.
 - ``grad_output_history``: the host-mapped notes in which the backward
   operators record, at ``history_slot`` (-1: nowhere), grad_output and whether
   it was not ``expected_grad_output``, for the next forward to predict from
@@ -59,6 +64,7 @@ and gradients in the operands' own dtypes. On CUDA the kernels read the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -114,6 +120,10 @@ _lib.define(
 _lib.define(
     "pointwise_loss_backward_broadcast(Tensor grad_output, Tensor input, Tensor target, str loss, float param, "
     "bool[2] output_mask, bool autocast=False) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "per_sample_loss(Tensor input, Tensor target, str loss, float param, int kept_dims, str reduction, "
+    "bool autocast=False) -> Tensor"
 )
 _lib.define("grad_output_history() -> Tensor")
 _lib.define("weighted_grad_output_history() -> Tensor")
@@ -202,6 +212,14 @@ def _reduced_loss_backward_fake(
     _load_kernels_for(input.device)
     shape = torch.broadcast_shapes(input.shape, target.shape)
     return _grad_buffer(output_mask[0], input, shape), _grad_buffer(output_mask[1], target, shape)
+
+
+@torch.library.register_fake("fusedloss::per_sample_loss")
+def _per_sample_loss_fake(input: Tensor, target: Tensor, loss: str, param: float, kept_dims: int, reduction: str,
+                          autocast: bool = False) -> Tensor:
+    _load_kernels_for(input.device)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return input.new_empty(shape[:kept_dims], dtype=_loss_dtype(input, target, loss, autocast))
 
 
 @torch.library.register_fake("fusedloss::reduced_loss_backward_")
@@ -313,6 +331,16 @@ def _reduced_loss_backward_cpu(
 ) -> tuple[Tensor, Tensor]:
     factor = _reduced_factor(grad_output, reduction, input, target)
     return _gradients_cpu(factor, input, target, loss, param, output_mask, autocast)
+
+
+@torch.library.impl(_lib, "per_sample_loss", "CPU")
+def _per_sample_loss_cpu(input: Tensor, target: Tensor, loss: str, param: float, kept_dims: int, reduction: str,
+                         autocast: bool = False) -> Tensor:
+    per_element = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, "none")
+    dims = tuple(range(kept_dims, per_element.dim()))
+    if not dims:  # a sum over no dimension would be torch's sum over all of them
+        return per_element
+    return per_element.mean(dims) if reduction == "mean" else per_element.sum(dims)
 
 
 def _overwrite(buffers: Sequence[Tensor], gradients: Sequence[Tensor]) -> None:
@@ -457,10 +485,16 @@ def _expanded(grad: Tensor) -> bool:
 
 def _pointwise_backward(ctx, grad: Tensor):
     input, target = ctx.saved_tensors
+    return (*_pointwise_gradients(ctx, grad, input, target), None, None, None)
+
+
+def _pointwise_gradients(ctx, grad: Tensor, input: Tensor, target: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """reduction='none''s gradients for `grad` of the loss's shape (an expanded one read
+    where it lies), each summed to its operand's shape; None where not wanted."""
     needs = ctx.needs_input_grad[:2]
     if torch.is_grad_enabled():
-        grad_input, grad_target = torch.ops.fusedloss.loss_gradients.default(grad, input, target, ctx.loss, ctx.param, "none",
-                                                                     ctx.autocast)
+        grad_input, grad_target = torch.ops.fusedloss.loss_gradients.default(grad, input, target, ctx.loss, ctx.param,
+                                                                             "none", ctx.autocast)
     else:
         op = torch.ops.fusedloss.pointwise_loss_backward.default
         if grad.is_cuda and type(grad) is Tensor and _expanded(grad) and build.use_kernels("weighted"):
@@ -468,8 +502,24 @@ def _pointwise_backward(ctx, grad: Tensor):
         with torch._C._AutoDispatchBelowAutograd():  # these operators have no autograd of their own
             grad_input, grad_target = op(grad, input, target, ctx.loss, ctx.param, [bool(needs[0]), bool(needs[1])],
                                          ctx.autocast)
-    return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            None, None, None)
+    return _sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None
+
+
+def _per_sample_setup_context(ctx, inputs, output) -> None:
+    input, target, ctx.loss, ctx.param, ctx.kept_dims, ctx.reduction, ctx.autocast = inputs
+    ctx.save_for_backward(input, target)
+
+
+def _per_sample_backward(ctx, grad: Tensor):
+    """reduction='none''s backward for grad_output expanded over the reduced dimensions
+    (divided by their size for a mean, as torch.mean's backward divides), read where it lies."""
+    input, target = ctx.saved_tensors
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    reduced = shape[ctx.kept_dims:]
+    if ctx.reduction == "mean":
+        grad = grad / math.prod(reduced)
+    grad = grad.reshape(grad.shape + (1,) * len(reduced)).expand(shape)
+    return (*_pointwise_gradients(ctx, grad, input, target), None, None, None, None, None)
 
 
 def _reduced_setup_context(ctx, inputs, output) -> None:
@@ -588,6 +638,7 @@ _DIFFERENTIABLE = {  # name: (setup_context, backward, whether the Function take
     "pointwise_loss": (_pointwise_setup_context, _pointwise_backward, False),
     "reduced_loss": (_reduced_setup_context, _reduced_backward, True),
     "weighted_loss": (_weighted_setup_context, _weighted_backward, True),
+    "per_sample_loss": (_per_sample_setup_context, _per_sample_backward, False),
 }
 
 
@@ -644,3 +695,4 @@ def _function(name: str) -> type[torch.autograd.Function]:
 PointwiseLoss = _function("pointwise_loss")
 ReducedLoss = _function("reduced_loss")
 WeightedLoss = _function("weighted_loss")
+PerSampleLoss = _function("per_sample_loss")

@@ -122,6 +122,21 @@ def _reduced_loss_backward(grad_output, input, target, loss, param, reduction, o
                        sharded=reduction == "sum")
 
 
+@_rule(_OPS.per_sample_loss.default)
+def _per_sample_loss(input, target, loss, param, kept_dims, reduction, autocast=False):
+    """Sharded along a kept dimension, the rows are; along a reduced one, each rank holds a
+    partial sum of every row (of a sum: a mean's parts would not add up)."""
+    shape = _shape(input, target)
+    strategies = [([Replicate()], [Replicate(), Replicate()] + [None] * 5)]
+    for dim in range(len(shape)):
+        if shape[dim] == 1 or (dim >= kept_dims and reduction != "sum"):
+            continue
+        output = Shard(dim) if dim < kept_dims else Partial()
+        strategies.append(([output], [_placement(input, len(shape), dim), _placement(target, len(shape), dim)]
+                           + [None] * 5))
+    return strategies
+
+
 @_rule(_OPS.weighted_loss.default)
 def _weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
                    expected_grad_output=1.0, autocast=False):

@@ -152,6 +152,16 @@ cudaError_t launch_weighted_reduced_loss_backward(const LossProblem& problem, co
                                                   void* grad_input, void* grad_target, void* grad_weight,
                                                   const BackwardOptions& options, cudaStream_t stream);
 
+// The loss reduced over its trailing dimensions, one value per row of `problem.numel /
+// rows` elements, into `out` (rows values in the loss's dtype): mean or sum, each row's
+// tiles summed into `partials` (per_sample_loss_partials doubles), which a second
+// launch adds up in a fixed order. Every row starts on a 16-byte boundary of both
+// operands; at most kPerSampleMaxRows rows.
+constexpr int64_t kPerSampleMaxRows = 65535;
+int64_t per_sample_loss_partials(const LossProblem& problem, int64_t rows);
+cudaError_t launch_per_sample_loss(const LossProblem& problem, int64_t rows, double* partials, bool mean, void* out,
+                                   cudaStream_t stream);
+
 // reduction='none'. The output dtype is the promoted dtype of the pair, or the
 // input's dtype for Huber (as in PyTorch).
 cudaError_t launch_pointwise_loss(const LossProblem& problem, void* out, cudaStream_t stream);

@@ -24,6 +24,12 @@ FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_pointwise_loss_backward,
                          (const LossProblem& problem, const void* grad_output, bool grad_output_is_scalar,
                           void* grad_input, void* grad_target, cudaStream_t stream),
                          (problem, grad_output, grad_output_is_scalar, grad_input, grad_target, stream))
+FUSEDLOSS_SHARD_DISPATCH(int64_t, per_sample_loss_partials, (const LossProblem& problem, int64_t rows),
+                         (problem, rows))
+FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_per_sample_loss,
+                         (const LossProblem& problem, int64_t rows, double* partials, bool mean, void* out,
+                          cudaStream_t stream),
+                         (problem, rows, partials, mean, out, stream))
 
 namespace {
 
@@ -118,6 +124,36 @@ void reduced_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor grad_o
                                                     current_stream(ops.input)));
 }
 
+inline int64_t element_size(ScalarType t) {
+  return t == ScalarType::Double ? 8 : t == ScalarType::Float ? 4 : 2;
+}
+
+// The loss reduced over every dimension after the first `kept_dims` (dim= over the
+// trailing dimensions): one value per element of the kept ones.
+Tensor per_sample_loss(Tensor input, Tensor target, std::string loss, double param, int64_t kept_dims,
+                       std::string reduction, bool autocast) {
+  const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
+  const bool mean = parse_mean(reduction);
+  Operands ops = prepare(input, target, loss, param, autocast);
+  STD_TORCH_CHECK(kept_dims >= 0 && kept_dims <= static_cast<int64_t>(ops.shape.size()),
+                  "fusedloss: per_sample_loss keeps 0 to ", ops.shape.size(), " dimensions, got ", kept_dims);
+  const Shape kept(ops.shape.begin(), ops.shape.begin() + kept_dims);
+  const int64_t rows = product(kept);
+  Tensor out = empty(kept, ops.loss_dtype, ops.input);
+  if (rows == 0) return out;
+  const int64_t row_length = ops.problem.numel / rows;
+  STD_TORCH_CHECK(rows <= kPerSampleMaxRows, "fusedloss: per_sample_loss takes at most ", kPerSampleMaxRows,
+                  " rows, got ", rows);
+  STD_TORCH_CHECK(row_length * element_size(ops.input.scalar_type()) % 16 == 0 &&
+                      row_length * element_size(ops.target.scalar_type()) % 16 == 0,
+                  "fusedloss: per_sample_loss needs rows of whole 16-byte words, got rows of ", row_length,
+                  " elements");
+  Tensor partials = empty({per_sample_loss_partials(ops.problem, rows)}, ScalarType::Double, ops.input);
+  FUSEDLOSS_CUDA_CHECK(launch_per_sample_loss(ops.problem, rows, static_cast<double*>(data_or_null(partials)), mean,
+                                              out.data_ptr(), current_stream(ops.input)));
+  return out;
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
@@ -126,6 +162,7 @@ STABLE_TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
   m.impl("reduced_loss", TORCH_BOX(&reduced_loss));
   m.impl("reduced_loss_backward", TORCH_BOX(&reduced_loss_backward));
   m.impl("reduced_loss_backward_", TORCH_BOX(&reduced_loss_backward_));
+  m.impl("per_sample_loss", TORCH_BOX(&per_sample_loss));
 }
 
 // No tensor argument to dispatch on.
