@@ -132,11 +132,13 @@ struct PseudoHuberLoss {
 // log(cosh(d)): about d^2 / 2 near 0, about |d| - log 2 far from it; its derivative is tanh(d).
 // In double, up to |d| = 1 it is log1p(m^2 / (2 (1 + m))) with m = expm1(|d|), which keeps small
 // d's digits, and beyond, |d| + log1p(exp(-2|d|)) - log 2, which cannot overflow. In float (every
-// 16-bit and float32 loss) those libm calls would make the loss compute-bound, so each branch
-// is a short polynomial instead, fitted to within 1e-8, below float's rounding: up to |d| = 1,
-// s P(s) with s = d^2 (P fits log(cosh(d)) / d^2); beyond, (|d| - log 2) + e R(e) with
-// e = exp(-2|d|) <= exp(-2) (R fits log1p(e) / e), log 2 split in two so that its rounding
-// does not show.
+// 16-bit and float32 loss) libm's log1p, expm1 and tanh would make the loss compute-bound, so
+// both the loss and its derivative come from one e = exp(-2|d|) and short polynomials, each
+// fitted to within 1e-8 on its interval (below float's rounding), with s = d^2:
+// - the loss: s P(s) up to |d| = 1 (P fits log(cosh(d)) / d^2); beyond, (|d| - log 2) + e R(e)
+//   (R fits log1p(e) / e, e <= exp(-2)), log 2 split in two so that its rounding does not show;
+// - tanh: |d| + |d| s V(s) below |d| = 0.55 (1 + s V(s) fits tanh(d) / d); beyond,
+//   (1 - e) / (1 + e), where e <= 1/3 leaves 1 - e its digits.
 struct LogCoshLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
@@ -145,25 +147,23 @@ struct LogCoshLoss {
   __device__ __forceinline__ static T value(T d, LossParam<T>) {
     const T z = fabs(d);
     if constexpr (std::is_same_v<T, float>) {
-      if (z <= 1.0f) {
-        const float s = z * z;
-        float p = 8.65710389916785e-05f;
-        p = fmaf(p, s, -5.562258884310722e-04f);
-        p = fmaf(p, s, 2.077347133308649e-03f);
-        p = fmaf(p, s, -6.710438057780266e-03f);
-        p = fmaf(p, s, 2.221657522022724e-02f);
-        p = fmaf(p, s, -8.333299309015274e-02f);
-        p = fmaf(p, s, 0.5f);
-        return s * p;
-      }
+      const float s = z * z;
       const float e = expf(-2.0f * z);
+      float p = 8.65710389916785e-05f;
+      p = fmaf(p, s, -5.562258884310722e-04f);
+      p = fmaf(p, s, 2.077347133308649e-03f);
+      p = fmaf(p, s, -6.710438057780266e-03f);
+      p = fmaf(p, s, 2.221657522022724e-02f);
+      p = fmaf(p, s, -8.333299309015274e-02f);
+      p = fmaf(p, s, 0.5f);
       float r = -0.11960987746715546f;
       r = fmaf(r, e, 0.1933414489030838f);
       r = fmaf(r, e, -0.24954941868782043f);
       r = fmaf(r, e, 0.3333193361759186f);
       r = fmaf(r, e, -0.49999985098838806f);
       r = fmaf(r, e, 1.0f);
-      return ((z - 0.693147182464599609375f) + 1.9046542999577808e-09f) + e * r;
+      const float far = ((z - 0.693147182464599609375f) + 1.9046542999577808e-09f) + e * r;
+      return z <= 1.0f ? s * p : far;  // a select, not a branch: both sides are a few instructions
     } else {
       if (z <= T(1)) {
         const T m = expm1(z);
@@ -173,7 +173,23 @@ struct LogCoshLoss {
     }
   }
   template <typename T>
-  __device__ __forceinline__ static T grad(T d, LossParam<T>) { return tanh(d); }
+  __device__ __forceinline__ static T grad(T d, LossParam<T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      const float z = fabsf(d);
+      const float s = z * z;
+      const float e = expf(-2.0f * z);  // the loss's own e, when both are computed
+      float v = -0.006235557608306408f;
+      v = fmaf(v, s, 0.021039674058556557f);
+      v = fmaf(v, s, -0.053842708468437195f);
+      v = fmaf(v, s, 0.13332460820674896f);
+      v = fmaf(v, s, -0.3333331048488617f);
+      const float near = fmaf(z * s, v, z);
+      const float far = __fdividef(1.0f - e, 1.0f + e);
+      return copysignf(z < 0.55f ? near : far, d);
+    } else {
+      return tanh(d);
+    }
+  }
 };
 
 // The pinball loss of quantile q (0 <= q <= 1), torch.maximum((q - 1) * e, q * e) of
