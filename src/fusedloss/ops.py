@@ -452,6 +452,32 @@ def _sum_to(grad: Tensor | None, operand: Tensor) -> Tensor | None:
     return grad.sum_to_size(operand.shape)
 
 
+# The most rows per_sample_loss takes (its grid's second dimension).
+PER_SAMPLE_MAX_ROWS = 65535
+
+
+def per_sample_rows_fit(shape: Sequence[int], kept_dims: int) -> bool:
+    """Whether per_sample_loss takes a loss of `shape` reduced over every dimension after the
+    first `kept_dims`: at most PER_SAMPLE_MAX_ROWS rows, each a multiple of 8 elements long
+    (so that every row starts on a 16-byte boundary in any dtype)."""
+    return math.prod(shape[:kept_dims]) <= PER_SAMPLE_MAX_ROWS and math.prod(shape[kept_dims:]) % 8 == 0
+
+
+def weight_gradient_rows(weight: Tensor | None, input: Tensor, target: Tensor) -> int | None:
+    """For a weight that spans only leading dimensions of the loss (one per sample, per
+    channel), the count of them that its gradient keeps: per_sample_loss then sums the loss
+    over the rest in one pass, where the weighted kernels would write the weight's gradient
+    per element for autograd to sum. None where that does not apply (a weight of the
+    loss's own size, operands that broadcast, rows per_sample_loss does not take)."""
+    if weight is None or input.shape != target.shape:
+        return None
+    shape = input.shape
+    aligned = (1,) * (len(shape) - weight.dim()) + tuple(weight.shape)
+    spanned = [d for d, size in enumerate(aligned) if size != 1]
+    kept = spanned[-1] + 1 if spanned else 0
+    return kept if kept < len(shape) and per_sample_rows_fit(shape, kept) else None
+
+
 @torch.library.impl(_lib, "loss_gradients", "CompositeImplicitAutograd")
 def _loss_gradients_composite(
     grad_output: Tensor, input: Tensor, target: Tensor, loss: str, param: float, reduction: str,
@@ -580,6 +606,7 @@ def _weighted_setup_context(ctx, inputs, output) -> None:
      autocast) = inputs
     ctx.arguments = (host_scale, loss, param, autocast)
     ctx.output_mask = output_mask
+    ctx.weight_rows = weight_gradient_rows(weight, input, target) if ctx.needs_input_grad[2] else None
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target, weight, scale, divisor, output[0] if ctx.needs_input_grad[4] else None)
     ctx.fused_gradients = tuple(g.detach() for g in output[1:])  # as in _reduced_setup_context
@@ -589,8 +616,9 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     """The weighted reductions: the reduced losses' plan with a weight, whose gradient per
     element (scale times the element's loss) the kernels write beside the operands', and a
     divisor, d out / d divisor = -out / divisor. A scale takes no gradient here
-    (``weighted`` computes that case with torch operations). create_graph=True, and a
-    weight's gradient wanted alone, go through the formulas."""
+    (``weighted`` computes that case with torch operations). A weight over leading
+    dimensions (weight_gradient_rows) gets its gradient summed by a per-sample pass instead.
+    create_graph=True, and another weight's gradient wanted alone, go through the formulas."""
     if ctx.needs_input_grad[3]:
         raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
                            "compute it with torch operations")
@@ -599,10 +627,16 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     input, target, weight, scale, divisor, out = ctx.saved_tensors
     host_scale, loss, param, autocast = ctx.arguments
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    if torch.is_grad_enabled() or (needs[2] and not (needs[0] or needs[1])):
+    rows = ctx.weight_rows
+    # The kernels' part: the weight's gradient too, unless a per-sample pass gives it summed.
+    kernel_needs = [needs[0], needs[1], needs[2] and rows is None]
+    if torch.is_grad_enabled() or (kernel_needs[2] and not (needs[0] or needs[1])):
         gradients = torch.ops.fusedloss.weighted_loss_gradients.default(
             grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
-    elif (gradients := _fused_gradients(ctx, needs)) is not None:
+        rows = None
+    elif not (needs[0] or needs[1]):
+        gradients = (None, None, None)
+    elif (gradients := _fused_gradients(ctx, kernel_needs)) is not None:
         with torch._C._AutoDispatchBelowAutograd():
             torch.ops.fusedloss.weighted_loss_backward_.default(*gradients, grad, input, target, weight, scale, divisor,
                                                         host_scale, loss, param, ctx.expected_grad_output, ctx.slot,
@@ -610,15 +644,36 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     else:
         with torch._C._AutoDispatchBelowAutograd():
             gradients = torch.ops.fusedloss.weighted_loss_backward.default(
-                grad, input, target, weight, scale, divisor, host_scale, loss, param, needs, ctx.slot,
+                grad, input, target, weight, scale, divisor, host_scale, loss, param, kernel_needs, ctx.slot,
                 ctx.expected_grad_output, autocast)
     grad_input, grad_target, grad_weight = gradients
+    if needs[2]:
+        grad_weight = (_sum_to(grad_weight, weight) if rows is None else
+                       _weight_gradient_by_rows(grad, input, target, weight, scale, divisor, ctx.arguments, rows))
+        grad_weight = grad_weight.to(weight.dtype)
     grad_divisor = None
     if ctx.needs_input_grad[4]:
         grad_divisor = -(grad.to(divisor.dtype) * out.to(divisor.dtype)) / divisor
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            _sum_to(grad_weight, weight).to(weight.dtype) if needs[2] else None, None, grad_divisor,
-            *(None,) * 7)
+            grad_weight if needs[2] else None, None, grad_divisor, *(None,) * 7)
+
+
+def _weight_gradient_by_rows(grad: Tensor, input: Tensor, target: Tensor, weight: Tensor, scale: Tensor | None,
+                             divisor: Tensor | None, arguments: tuple, rows: int) -> Tensor:
+    """d out / d weight for a weight over the first `rows` dimensions: the loss summed over
+    the others in one pass, times the factor the kernels give each element's gradient
+    (host_scale * scale / divisor * grad_output), in float64 until the one rounding into the
+    weight's dtype, summed over the leading dimensions the weight broadcasts along."""
+    host_scale, loss, param, autocast = arguments
+    with torch._C._AutoDispatchBelowAutograd():
+        sums = torch.ops.fusedloss.per_sample_loss.default(input, target, loss, param, rows, "sum", autocast)
+    factor = grad.to(torch.float64) * host_scale
+    if scale is not None:
+        factor = factor * scale.to(torch.float64)
+    if divisor is not None:
+        factor = factor / divisor.to(torch.float64)
+    per_row = (sums.to(torch.float64) * factor).reshape(sums.shape + (1,) * (input.dim() - rows))
+    return _sum_to(per_row, weight)
 
 
 # The autograd of each differentiable operator, written once (setup_context and backward

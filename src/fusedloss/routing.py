@@ -4,7 +4,6 @@ path, in torch.nn.functional's order of steps."""
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -19,8 +18,6 @@ from .losses import LOSSES, Loss
 _reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
 _pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
 _per_sample_loss_op = torch.ops.fusedloss.per_sample_loss.default
-# The most rows a per-sample launch takes (its grid's second dimension).
-PER_SAMPLE_MAX_ROWS = 65535
 
 
 def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Tensor | None, ...], *args):
@@ -135,14 +132,11 @@ def fused_loss(
 
 def per_sample_kept_dims(input: Tensor, target: Tensor, dims: tuple[int, ...]) -> int | None:
     """How many leading dimensions a loss reduced over `dims` keeps, where the per-sample
-    operator takes it: operands of one shape, `dims` the trailing dimensions, at most
-    PER_SAMPLE_MAX_ROWS rows, each a multiple of 8 elements long (so that every row starts
-    on a 16-byte boundary in any dtype); else None."""
+    operator takes it: operands of one shape, `dims` the trailing dimensions, and rows it
+    takes (ops.per_sample_rows_fit); else None."""
     shape = input.shape
     kept = len(shape) - len(dims)
-    if target.shape != shape or dims != tuple(range(kept, len(shape))):
-        return None
-    if math.prod(shape[:kept]) > PER_SAMPLE_MAX_ROWS or math.prod(shape[kept:]) % 8:
+    if target.shape != shape or dims != tuple(range(kept, len(shape))) or not ops.per_sample_rows_fit(shape, kept):
         return None
     return kept
 

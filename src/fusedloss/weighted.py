@@ -130,7 +130,9 @@ def _fused_weighted_loss(
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target,
                                                                           weight, family="weighted")
             if not mispredicted:
-                output_mask = [input.requires_grad, target.requires_grad, _needs_grad(weight)]
+                # A weight over leading dimensions gets its gradient from a per-sample pass in backward.
+                weight_gradient = _needs_grad(weight) and ops.weight_gradient_rows(weight, input, target) is None
+                output_mask = [input.requires_grad, target.requires_grad, weight_gradient]
     return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight,
                          device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math)[0]
 
