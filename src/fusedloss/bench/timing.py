@@ -63,13 +63,20 @@ def relative_error(value: Tensor, reference: float) -> float:
     return abs(value.double().item() - reference) / abs(reference)
 
 
+# A GPU sleep queued before each timed call, longer than a call's host time: the host has
+# enqueued the whole call before the GPU reaches it, so a call whose host time exceeds its
+# GPU time is not timed with the GPU waiting on the host.
+_SLEEP_CYCLES = 2_000_000
+
+
 def time_side_by_side(fns: dict[str, Callable[[], object]], reps: int = 20,
                       warmup_s: float = 0.25) -> dict[str, float]:
-    """Median device time of one call of each function, in ms. The functions take turns
-    call by call, so drifting clocks and temperature weigh on them alike, and the order
-    of a turn rotates, so that no function always follows the same one (what ran before
-    shapes the queue and the caches a call meets); back-to-back warm-up calls for
-    `warmup_s` first bring the clocks up from idle."""
+    """Median device time of one call of each function, in ms, each behind a queued GPU
+    sleep (host time stays out). The functions take turns call by call, so drifting
+    clocks and temperature weigh on them alike, and the order of a turn rotates, so that
+    no function always follows the same one (what ran before shapes the queue and the
+    caches a call meets); back-to-back warm-up calls for `warmup_s` first bring the
+    clocks up from idle."""
     deadline = time.perf_counter() + warmup_s
     calls = 0
     while calls < 3 or time.perf_counter() < deadline:
@@ -83,6 +90,7 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], reps: int = 20,
         for name in turn_order(fns, rep):
             fn = fns[name]
             start, end = events[name][rep]
+            torch.cuda._sleep(_SLEEP_CYCLES)
             start.record()
             fn()
             end.record()
