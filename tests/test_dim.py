@@ -199,3 +199,36 @@ def test_cuda_per_sample_pass(monkeypatch, name, reduction, dtype):
     for g, w in zip(got, want):
         assert g.dtype == dtype
         _close(g, w, dtype, bound=w.abs().max().item())
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", LOSSES)
+def test_cuda_per_sample_pass_under_autocast_and_in_a_graph(monkeypatch, name):
+    """Under bf16 autocast the per-sample pass computes in float32 and returns float32, as
+    autocast's loss per element does; captured in a CUDA graph, a replay gives eager's bits."""
+    from fusedloss import routing
+
+    calls = []
+    fused = routing.fused_per_sample_loss
+    monkeypatch.setattr(routing, "fused_per_sample_loss", lambda *args: calls.append(args) or fused(*args))
+    x = heavy_tailed((4, 3, 16, 16), device="cuda").clamp(-8, 8).bfloat16().requires_grad_()
+    y = heavy_tailed((4, 3, 16, 16), device="cuda").clamp(-8, 8).bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = _call(name, x, y, dim=(1, 2, 3))
+    assert len(calls) == 1 and out.dtype == torch.float32
+    expected = _expected(name, x.detach().double(), y.double(), "mean", (1, 2, 3))
+    _close(out, expected, bound=expected.abs().max().item())
+    grad, = torch.autograd.grad(out, x, torch.rand_like(out) * 1000)
+    assert grad.dtype == torch.bfloat16 and torch.isfinite(grad).all()
+    inputs = x.detach()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _call(name, inputs, y, dim=(1, 2, 3))  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _call(name, inputs, y, dim=(1, 2, 3))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, _call(name, inputs, y, dim=(1, 2, 3)))

@@ -300,12 +300,13 @@ def _loss(
             domain = f"in [0, {row.param_max:g}]" if row.param_zero_valid else "> 0"
             raise ValueError(f"fusedloss: {row.function} needs {row.param} {domain}, got {param}")
         param = float(param)
+    # the kernels' name for the loss: a number of 0 may make it another (Smooth L1's L1)
+    kernel_loss = row.param_zero_is if not isinstance(param, Tensor) and param == 0.0 and row.param_zero_is else name
     if dim is not None:
-        return _reduced_over(row, name, input, target, size_average, reduce, reduction, param, weight, scale, dim,
-                             keepdim)
+        return _reduced_over(row, name, kernel_loss, input, target, size_average, reduce, reduction, param, weight,
+                             scale, dim, keepdim)
     if isinstance(param, Tensor):
         return _with_tensor_param(row, name, input, target, reduction, param, weight, scale)
-    kernel_loss = row.param_zero_is if param == 0.0 and row.param_zero_is else name
     if _holds_a_dtensor(input, target):
         return _sharded(row, name, kernel_loss, input, target, size_average, reduce, reduction, param, weight, scale)
     if weighted_call:
@@ -363,7 +364,7 @@ def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, redu
     return row.reference(input, target, reduction, param)
 
 
-def _reduced_over(row: Loss, name: str, input: Tensor, target: Tensor, size_average: bool | None,
+def _reduced_over(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tensor, size_average: bool | None,
                   reduce: bool | None, reduction: str, param: float | Tensor, weight: Tensor | None,
                   scale: float | Tensor | None, dim: Dims, keepdim: bool) -> Tensor:
     """The loss reduced over ``dim`` only: in one pass where the kernels apply and ``dim``
@@ -377,7 +378,6 @@ def _reduced_over(row: Loss, name: str, input: Tensor, target: Tensor, size_aver
         dims = reductions.as_dims(dim, input.dim())
         kept = routing.per_sample_kept_dims(input, target, dims)
         if kept is not None:
-            kernel_loss = row.param_zero_is if param == 0.0 and row.param_zero_is else name
             out = routing.fused_per_sample_loss(kernel_loss, param, input, target, reduction, kept)
             if keepdim:
                 out = out.reshape(out.shape + (1,) * len(dims))
