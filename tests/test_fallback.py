@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import cpp_extension
 
@@ -47,6 +48,16 @@ def _fake_nvcc(directory: Path, compile_error: str | None = None) -> Path:
     return directory
 
 
+def _fake_cxx(directory: Path) -> str:
+    """A host compiler named as torch expects one (g++, of a version it accepts) that compiles
+    nothing, at once."""
+    cxx = directory / "g++"
+    directory.mkdir(parents=True, exist_ok=True)
+    cxx.write_text('#!/bin/sh\ncase "$1" in -dumpfullversion) echo 12.2.0;; esac\nexit 0\n')
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    return str(cxx)
+
+
 def _forget_this_process(monkeypatch) -> None:
     """As in a new process: no build tried, no library loaded, no warning given."""
     monkeypatch.setattr(build, "_loaded", {})
@@ -64,6 +75,8 @@ def simulated_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    # fake CUDA tensors, which (on some torch versions) make a real one first where CUDA is available
+    monkeypatch.setattr(fake_tensor, "init_gpu_context", lambda device: None)
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
     monkeypatch.setattr(build, "_pip_toolkit", lambda major: None)
@@ -116,7 +129,7 @@ def test_compile_error_warns_once_and_is_remembered_across_processes(simulated_g
     error = "reduced_loss.cu(12): error: identifier broken is undefined"
     cuda = _fake_nvcc(tmp_path / "failing", error)
     simulated_gpu.setenv("CUDA_HOME", str(cuda))
-    simulated_gpu.setenv("CXX", "true")  # the host half compiles to nothing, at once
+    simulated_gpu.setenv("CXX", _fake_cxx(tmp_path / "host"))  # the host half compiles to nothing
     answers, messages = _fallback_warnings()
     assert answers == [False, False] and len(messages) == 1
     assert "compiling the plain CUDA kernels" in messages[0] and "identifier broken is undefined" in messages[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import random
 import traceback
 import zlib
@@ -83,7 +84,18 @@ def _run_case(case, mesh, device):
     from fusedloss import sharding
 
     before = sharding.sharded_loss.calls
-    out = fn(dx, dy, weight=dw, **kwargs)
+    try:
+        out = fn(dx, dy, weight=dw, **kwargs)
+    except NotImplementedError as error:
+        # DTensor's own rules, which a partial input takes, lack some of PyTorch's losses
+        # before torch 2.11: then the error is PyTorch's own, as torch.nn.functional gives it
+        from fusedloss.losses import LOSSES as ROWS
+
+        row = ROWS[case["name"]]
+        assert case.get("partial_input") and row.pytorch and "sharding strategy" in str(error), error
+        with pytest.raises(NotImplementedError, match="sharding strategy"):
+            row.torch_function(dx, dy)
+        return
     assert isinstance(out, DTensor)
     # the fused route on each rank's shards, except for a partial input (DTensor's own)
     assert (sharding.sharded_loss.calls > before) != bool(case.get("partial_input")), "route"
@@ -333,7 +345,12 @@ def _training_worker(rank, device, init_file, results_dir):
                 for step in range(20):
                     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device)
                     y = x @ teacher  # a target the model can learn
-                    loss = loss_fn(model(x), distribute_tensor(y, mesh, [Shard(-1)]) if parallel else y)
+                    try:
+                        loss = loss_fn(model(x), distribute_tensor(y, mesh, [Shard(-1)]) if parallel else y)
+                    except NotImplementedError:  # before torch 2.11, DTensor has no rule for aten.mse_loss
+                        assert name == "F"
+                        losses[name] = [math.nan] * 20
+                        break
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
@@ -359,4 +376,5 @@ def test_a_tensor_parallel_loop_trains_as_with_torch(tmp_path, device):
             ours, theirs, unsharded = table[table[:, 0] == outputs, 1:].T
             assert len(ours) == 20 and ours[-5:].mean() < ours[:5].mean()
             torch.testing.assert_close(ours, unsharded, rtol=1e-5, atol=1e-6)
-            assert abs(theirs[0] - unsharded[0]) < 1e-5 or outputs == 21  # DTensor's uneven mean is the mean of means
+            # DTensor's uneven mean is the mean of means (NaN: no DTensor rule on this torch)
+            assert abs(theirs[0] - unsharded[0]) < 1e-5 or outputs == 21 or theirs[0].isnan()
