@@ -1,7 +1,7 @@
 """Host wall time of a small training step (MSE), fusedloss against eager, and the two
 autograds of fusedloss (docs/design.md, "Autograd"): what ``fusedloss.mse_loss`` takes
-(the C++ autograd where it is built, ``python -m fusedloss build``), and ops.py's
-autograd.Function, applied directly.
+(the fused kernels behind the C++ autograd where it is built, ``python -m fusedloss build``;
+PyTorch's own step where it is not), and ops.py's autograd.Function, applied directly.
 
 A step is ``p.grad = None; loss(p, t).backward()``: at these sizes it is bound by host
 time. Each cell is the median of `--repeats` measurements, each the median of seven

@@ -50,6 +50,18 @@ TORCH_LOSSES = [name for name, row in losses.LOSSES.items() if row.pytorch]
 PARAMS = {name: 0.75 * row.param_default if row.param else 0.0 for name, row in losses.LOSSES.items()}
 
 
+# the rule that hands a step to PyTorch where its step is the faster; the suite tests
+# fusedloss's own kernels and autograd on every step, and this rule in tests of its own
+PYTORCH_SERVES_THE_STEP = routing.pytorch_serves_the_step
+
+
+@pytest.fixture(autouse=True)
+def fused_steps(monkeypatch):
+    """Every step through fusedloss's kernels, unless a test takes the rule back
+    (monkeypatch routing.pytorch_serves_the_step with PYTORCH_SERVES_THE_STEP)."""
+    monkeypatch.setattr(routing, "pytorch_serves_the_step", lambda *args: False)
+
+
 def cpu_through_operators(set_attribute=setattr) -> None:
     """Route CPU tensors through the fused path: argument handling, then the fusedloss:: ops'
     CPU reference kernels, as CUDA tensors go through them to the CUDA kernels (and, as on
@@ -58,6 +70,7 @@ def cpu_through_operators(set_attribute=setattr) -> None:
     from fusedloss import build
 
     set_attribute(build, "load", lambda *families: {})
+    set_attribute(routing, "pytorch_serves_the_step", lambda *args: False)  # as fused_steps, for spawned ranks
     set_attribute(
         routing,
         "kernels_apply",

@@ -17,7 +17,7 @@ import fusedloss
 from fusedloss import build, formulas, losses, routing
 from fusedloss import ops  # noqa: F401
 
-from conftest import FLOAT_DTYPES, LOSSES, PARAMS, heavy_tailed, loss_kwargs, requires_cuda
+from conftest import FLOAT_DTYPES, LOSSES, PARAMS, PYTORCH_SERVES_THE_STEP, heavy_tailed, loss_kwargs, requires_cuda
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
@@ -302,6 +302,59 @@ def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
     with pytest.warns(UserWarning):
         fusedloss.mse_loss(x, torch.randn(8, device=device)).backward()
     assert [mask for mask, _ in calls[2:]] == [[True, False], [False, False]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
+    """Without the C++ autograd, a step (gradients wanted) of a loss PyTorch computes with
+    kernels of its own is PyTorch's, with its bits, for 'none' and below
+    FUSED_GRADIENT_FROM_BYTES; other losses, calls without gradients, larger means and
+    sums, and every call with the C++ autograd take the kernels."""
+    monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)
+    calls = []
+    real = routing.apply
+    monkeypatch.setattr(routing, "apply", lambda function, op, *args: calls.append(op) or real(function, op, *args))
+    if device == "cpu":
+        monkeypatch.setattr(build, "load", lambda *families: {})
+        monkeypatch.setattr(routing, "kernels_apply", lambda *a: True)
+    y = torch.randn(1000, device=device)
+    for name, row in losses.LOSSES.items():
+        function, _, keyword = LOSSES[name]
+        kwargs = loss_kwargs(name, PARAMS[name])
+        for reduction in ("mean", "sum", "none"):
+            calls.clear()
+            x = torch.randn(1000, device=device, requires_grad=True)
+            out = function(x, y, reduction=reduction, **kwargs)
+            (out * 0.37).sum().backward()
+            assert bool(calls) != row.pytorch_kernels, (name, reduction)
+            if row.pytorch_kernels:
+                x2 = x.detach().clone().requires_grad_()
+                expected = row.torch_function(x2, y, reduction=reduction, **kwargs)
+                (expected * 0.37).sum().backward()
+                assert torch.equal(out, expected) and torch.equal(x.grad, x2.grad)
+            calls.clear()
+            with torch.no_grad():
+                function(x, y, reduction=reduction, **kwargs)
+            assert len(calls) == 1, (name, reduction)
+    # a broadcast pair: PyTorch's warning once, and PyTorch's bits
+    x = torch.randn(1000, 1, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with pytest.warns(UserWarning, match="target size") as caught:
+        out = fusedloss.huber_loss(x, y[:8], delta=0.5)
+    with pytest.warns(UserWarning, match="target size"):
+        expected = torch.nn.functional.huber_loss(x2, y[:8], delta=0.5)
+    out.backward()
+    expected.backward()
+    assert len(caught) == 1 and torch.equal(out, expected) and torch.equal(x.grad, x2.grad)
+    x = torch.randn(1000, device=device, requires_grad=True)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8)  # a mean whose forward writes the gradient
+    calls.clear()
+    fusedloss.mse_loss(x, y).backward()
+    fusedloss.mse_loss(x, y, reduction="none").sum().backward()
+    assert len(calls) == 1
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: True)
+    assert not routing.pytorch_serves_the_step(losses.LOSSES["mse"], x, y, "none", 0)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

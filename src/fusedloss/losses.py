@@ -30,6 +30,9 @@ class Loss:
     gradient: Callable[[Tensor, float], Tensor]
     # PyTorch has this loss, under the same function and module names
     pytorch: bool = False
+    # PyTorch computes it with a kernel of its own and its gradient with another (ATen's
+    # loss and loss_backward, not a composite of operations), behind a C++ autograd node
+    pytorch_kernels: bool = False
     # the keyword of the loss's number (beta, delta, c, quantiles) and its default
     param: str | None = None
     param_default: float = 1.0
@@ -68,7 +71,7 @@ LOSSES: dict[str, Loss] = {
         "mse_loss", "MSELoss",
         lambda i, t, reduction, _: F.mse_loss(i, t, reduction=reduction),
         lambda d, _: 2 * d,
-        pytorch=True,
+        pytorch=True, pytorch_kernels=True,
     ),
     "l1": Loss(
         "l1_loss", "L1Loss",
@@ -80,13 +83,13 @@ LOSSES: dict[str, Loss] = {
         "smooth_l1_loss", "SmoothL1Loss",
         lambda i, t, reduction, beta: F.smooth_l1_loss(i, t, reduction=reduction, beta=beta),
         lambda d, beta: (d / beta).clamp(-1, 1),
-        pytorch=True, param="beta", param_zero_is="l1", gradient_in_own_dtype=True,
+        pytorch=True, pytorch_kernels=True, param="beta", param_zero_is="l1", gradient_in_own_dtype=True,
     ),
     "huber": Loss(
         "huber_loss", "HuberLoss",
         lambda i, t, reduction, delta: F.huber_loss(i, t, reduction=reduction, delta=delta),
         lambda d, delta: d.clamp(-delta, delta),
-        pytorch=True, param="delta", keeps_input_dtype=True, weighted_mean_over_count=True,
+        pytorch=True, pytorch_kernels=True, param="delta", keeps_input_dtype=True, weighted_mean_over_count=True,
     ),
     "pseudo_huber": Loss(
         "pseudo_huber_loss", "PseudoHuberLoss",

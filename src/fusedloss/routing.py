@@ -35,6 +35,7 @@ def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Ten
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
+_REDUCTION_ENUMS = {name: enum for enum, name in _REDUCTION_NAMES.items()}
 MODES = ("mean", "sum", "none")
 # where autocast may run (torch.is_autocast_enabled raises for others, such as meta)
 _AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
@@ -52,6 +53,16 @@ def forward_writes_gradients(input: Tensor, target: Tensor, numel: int) -> bool:
     # the converted buffer is not the one backward could correct in place.
     return (numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES
             and (input.dtype == torch.float64) == (target.dtype == torch.float64))
+
+
+def pytorch_serves_the_step(row: Loss, input: Tensor, target: Tensor, mode: str, numel: int) -> bool:
+    """Whether a step (the loss, wanting gradients) is PyTorch's own: without the C++ autograd,
+    for a loss PyTorch computes with its own forward and backward kernels, for
+    reduction='none' and below FUSED_GRADIENT_FROM_BYTES. There the fused step moves no
+    fewer bytes than PyTorch's (backward reads the operands again), so host time decides it,
+    and PyTorch's C++ autograd node costs less of it than fusedloss's Python one."""
+    return (row.pytorch_kernels and not build.cxx_autograd_loaded()
+            and (mode == "none" or not forward_writes_gradients(input, target, numel)))
 
 
 def kernels_apply(input: Tensor, target: Tensor) -> bool:
@@ -103,23 +114,35 @@ def fused_loss(
     reduce: bool | None,
     reduction: str,
 ) -> Tensor:
-    """The steps of torch.nn.functional's losses, in its order, then one fused op.
+    """The steps of torch.nn.functional's losses, in its order, then one fused op (or
+    PyTorch's own loss, where its step is the faster: pytorch_serves_the_step).
     Every call of a small loss pays for this function's work, so it compares shapes once."""
     same_shape = target.shape == input.shape
+    row = LOSSES[loss]
     if not same_shape:
-        warn_if_target_broadcasts(input, target, LOSSES[loss])
+        warn_if_target_broadcasts(input, target, row)
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     mode = reduction if reduction in MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
-    autocast = under_autocast(input, target)
     wants_gradients = (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
+    numel = 0
+    if wants_gradients and mode != "none":
+        numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
+    if wants_gradients and pytorch_serves_the_step(row, input, target, mode, numel):
+        # torch.nn.functional's own call, whose steps (the warning, the reduction's name)
+        # this function has taken
+        if not same_shape:
+            input, target = torch.broadcast_tensors(input, target)
+        native = getattr(torch._C._nn, row.function)
+        return native(input, target, _REDUCTION_ENUMS[mode], param) if row.param else native(
+            input, target, _REDUCTION_ENUMS[mode])
+    autocast = under_autocast(input, target)
     if mode == "none":
         if wants_gradients and build.cxx_autograd_loaded():
             return torch.ops.fusedloss_cxx.pointwise_loss.default(input, target, loss, param, autocast)
         return apply(ops.PointwiseLoss, _pointwise_loss_op, (input, target), input, target, loss, param, autocast)
     output_mask, slot, expected = _NO_GRADIENTS, -1, 1.0
     if wants_gradients:
-        numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
         if forward_writes_gradients(input, target, numel):
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, mode, input, target)
             if not mispredicted:
