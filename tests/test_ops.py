@@ -354,7 +354,7 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     fusedloss.mse_loss(x, y, reduction="none").sum().backward()
     assert len(calls) == 1
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: True)
-    assert not routing.pytorch_serves_the_step(losses.LOSSES["mse"], x, y, "none", 0)
+    assert not routing.pytorch_serves_the_step(losses.LOSSES["mse"], False)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -55,14 +55,13 @@ def forward_writes_gradients(input: Tensor, target: Tensor, numel: int) -> bool:
             and (input.dtype == torch.float64) == (target.dtype == torch.float64))
 
 
-def pytorch_serves_the_step(row: Loss, input: Tensor, target: Tensor, mode: str, numel: int) -> bool:
+def pytorch_serves_the_step(row: Loss, forward_writes: bool) -> bool:
     """Whether a step (the loss, wanting gradients) is PyTorch's own: without the C++ autograd,
-    for a loss PyTorch computes with its own forward and backward kernels, for
-    reduction='none' and below FUSED_GRADIENT_FROM_BYTES. There the fused step moves no
-    fewer bytes than PyTorch's (backward reads the operands again), so host time decides it,
-    and PyTorch's C++ autograd node costs less of it than fusedloss's Python one."""
-    return (row.pytorch_kernels and not build.cxx_autograd_loaded()
-            and (mode == "none" or not forward_writes_gradients(input, target, numel)))
+    for a loss PyTorch computes with its own forward and backward kernels, where the forward
+    writes no gradient (reduction='none', or below FUSED_GRADIENT_FROM_BYTES). There the fused
+    step moves no fewer bytes than PyTorch's (backward reads the operands again), so host time
+    decides it, and PyTorch's C++ autograd node costs less of it than fusedloss's Python one."""
+    return row.pytorch_kernels and not forward_writes and not build.cxx_autograd_loaded()
 
 
 def kernels_apply(input: Tensor, target: Tensor) -> bool:
@@ -125,10 +124,11 @@ def fused_loss(
         reduction = _reduction.legacy_get_string(size_average, reduce)
     mode = reduction if reduction in MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     wants_gradients = (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
-    numel = 0
+    forward_writes = False
     if wants_gradients and mode != "none":
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
-    if wants_gradients and pytorch_serves_the_step(row, input, target, mode, numel):
+        forward_writes = forward_writes_gradients(input, target, numel)
+    if wants_gradients and pytorch_serves_the_step(row, forward_writes):
         # torch.nn.functional's own call, whose steps (the warning, the reduction's name)
         # this function has taken
         if not same_shape:
@@ -143,7 +143,7 @@ def fused_loss(
         return apply(ops.PointwiseLoss, _pointwise_loss_op, (input, target), input, target, loss, param, autocast)
     output_mask, slot, expected = _NO_GRADIENTS, -1, 1.0
     if wants_gradients:
-        if forward_writes_gradients(input, target, numel):
+        if forward_writes:
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, mode, input, target)
             if not mispredicted:
                 output_mask = [input.requires_grad, target.requires_grad]
