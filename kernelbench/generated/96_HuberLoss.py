@@ -581,10 +581,6 @@ Op make_op(const LossProblem& p) {
 
 }
 
-#include <algorithm>
-
-#include <cooperative_groups.h>
-
 #include <cfloat>
 #include <cmath>
 
@@ -719,51 +715,6 @@ constexpr int64_t kBlockwiseMaxTiles = 1024;
 constexpr int64_t kSingleBlockMaxTiles = 4;
 constexpr int64_t kBlockwiseTilesPerBlock = 4;
 
-template <class Op>
-__global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(Op op, int64_t n, int64_t tiles,
-                                                                                Word* block_sums, bool mean,
-                                                                                typename Op::Out* out) {
-  using Sum = ExactSum<typename Op::T>;
-  constexpr int kWords = Sum::kCopyWords;
-  __shared__ Word words[kWords];
-  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) words[i] = 0;
-  __syncthreads();
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    op.sum = 0.0;
-    visit_tile(op, n, tile);
-    const double total = block_sum(op.sum);
-    if (threadIdx.x == 0) Sum::add(words, total);
-    __syncthreads();
-  }
-  if (gridDim.x > 1) {
-    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) block_sums[blockIdx.x * kWords + i] = words[i];
-    cooperative_groups::this_grid().sync();
-    if (blockIdx.x != 0) return;
-    static_assert(kBlockThreads % kWords == 0);
-    constexpr int kShares = kBlockThreads / kWords;
-    __shared__ Word shares[kBlockThreads];
-    const int word = threadIdx.x % kWords;
-    const auto fold = [word](Word folded, Word w) { return word == 0 ? (folded | w) : folded + w; };
-    Word folded = 0;
-#pragma unroll 4
-    for (unsigned b = threadIdx.x / kWords; b < gridDim.x; b += kShares) {
-      folded = fold(folded, block_sums[b * kWords + word]);
-    }
-    shares[threadIdx.x] = folded;
-    __syncthreads();
-    if (threadIdx.x < kWords) {
-      folded = 0;
-      for (int s = 0; s < kShares; ++s) folded = fold(folded, shares[s * kWords + word]);
-      words[word] = folded;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    const double total = Sum::total(words, 1);
-    *out = Convert<typename Op::Out>::from(mean ? total / double(n) : total);
-  }
-}
-
 template <typename T, typename Out>
 __global__ void __launch_bounds__(kMaxScratchWords) finish_reduction_kernel(const Word* sum, int copies,
                                                                             int64_t numel, bool mean, Out* out) {
@@ -861,11 +812,59 @@ cudaError_t launch_reduced_loss(const LossProblem& p, void* scratch, void* grad_
 }
 
 FUSEDLOSS_KERNELS_END
+#include <algorithm>
 #include <array>
 #include <atomic>
 
+#include <cooperative_groups.h>
+
 FUSEDLOSS_KERNELS_BEGIN
 namespace {
+
+template <class Op>
+__global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(Op op, int64_t n, int64_t tiles,
+                                                                                Word* block_sums, bool mean,
+                                                                                typename Op::Out* out) {
+  using Sum = ExactSum<typename Op::T>;
+  constexpr int kWords = Sum::kCopyWords;
+  __shared__ Word words[kWords];
+  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) words[i] = 0;
+  __syncthreads();
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    op.sum = 0.0;
+    visit_tile(op, n, tile);
+    const double total = block_sum(op.sum);
+    if (threadIdx.x == 0) Sum::add(words, total);
+    __syncthreads();
+  }
+  if (gridDim.x > 1) {
+    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) block_sums[blockIdx.x * kWords + i] = words[i];
+    cooperative_groups::this_grid().sync();
+    if (blockIdx.x != 0) return;
+    static_assert(kBlockThreads % kWords == 0);
+    constexpr int kShares = kBlockThreads / kWords;
+    __shared__ Word shares[kBlockThreads];
+    const int word = threadIdx.x % kWords;
+    const auto fold = [word](Word folded, Word w) { return word == 0 ? (folded | w) : folded + w; };
+    Word folded = 0;
+#pragma unroll 4
+    for (unsigned b = threadIdx.x / kWords; b < gridDim.x; b += kShares) {
+      folded = fold(folded, block_sums[b * kWords + word]);
+    }
+    shares[threadIdx.x] = folded;
+    __syncthreads();
+    if (threadIdx.x < kWords) {
+      folded = 0;
+      for (int s = 0; s < kShares; ++s) folded = fold(folded, shares[s * kWords + word]);
+      words[word] = folded;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const double total = Sum::total(words, 1);
+    *out = Convert<typename Op::Out>::from(mean ? total / double(n) : total);
+  }
+}
 
 template <class Op>
 int64_t resident_blocks() {

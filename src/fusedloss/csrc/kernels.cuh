@@ -2,10 +2,6 @@
 // one tile per block (elementwise.cuh).
 #pragma once
 
-#include <algorithm>
-
-#include <cooperative_groups.h>
-
 #include "exact_sum.cuh"
 #include "launch.h"
 #include "loss_ops.cuh"
@@ -27,69 +23,12 @@ __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kern
   if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
 }
 
-// A reduction with no gradient to write, of up to kBlockwiseMaxTiles tiles,
-// in one launch without zeroed scratch: each block walks every gridDim.x-th
-// tile and adds each tile's sum exactly into its own copy of the digits in
-// shared memory. One block rounds its copy into `out`. More blocks are
-// launched cooperatively: each stores its copy in `block_sums`, and after a
-// grid-wide barrier block 0 folds them word by word (the flags by OR, the
-// digits by addition, whose sum the spare bits of each word absorb, as in
-// ExactSum) and rounds. The sum is exact, so the result has the bits the
-// one-tile-per-block reduction gives.
+// The blockwise reduction's bounds (its kernel: reduced_loss_blockwise.cu).
 constexpr int64_t kBlockwiseMaxTiles = 1024;
 // Up to kSingleBlockMaxTiles tiles, one block: a grid-wide barrier would cost
 // more than the block's walk.
 constexpr int64_t kSingleBlockMaxTiles = 4;
 constexpr int64_t kBlockwiseTilesPerBlock = 4;
-
-template <class Op>
-__global__ void __launch_bounds__(kBlockThreads) blockwise_reduced_loss_kernel(Op op, int64_t n, int64_t tiles,
-                                                                                Word* block_sums, bool mean,
-                                                                                typename Op::Out* out) {
-  using Sum = ExactSum<typename Op::T>;
-  constexpr int kWords = Sum::kCopyWords;
-  __shared__ Word words[kWords];
-  for (int i = threadIdx.x; i < kWords; i += kBlockThreads) words[i] = 0;
-  __syncthreads();
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    op.sum = 0.0;
-    visit_tile(op, n, tile);
-    const double total = block_sum(op.sum);
-    if (threadIdx.x == 0) Sum::add(words, total);
-    __syncthreads();  // the next tile's block_sum reuses its shared partials
-  }
-  if (gridDim.x > 1) {
-    for (int i = threadIdx.x; i < kWords; i += kBlockThreads) block_sums[blockIdx.x * kWords + i] = words[i];
-    cooperative_groups::this_grid().sync();
-    if (blockIdx.x != 0) return;
-    // Every thread folds a share of the copies, so that their loads are in
-    // flight together, then a thread per word folds the shares. Word 0 holds
-    // flags (OR), the rest digits (integer addition): the order changes no bit.
-    static_assert(kBlockThreads % kWords == 0);
-    constexpr int kShares = kBlockThreads / kWords;
-    __shared__ Word shares[kBlockThreads];
-    const int word = threadIdx.x % kWords;
-    const auto fold = [word](Word folded, Word w) { return word == 0 ? (folded | w) : folded + w; };
-    Word folded = 0;
-#pragma unroll 4
-    for (unsigned b = threadIdx.x / kWords; b < gridDim.x; b += kShares) {
-      folded = fold(folded, block_sums[b * kWords + word]);
-    }
-    shares[threadIdx.x] = folded;
-    __syncthreads();
-    if (threadIdx.x < kWords) {
-      folded = 0;
-      for (int s = 0; s < kShares; ++s) folded = fold(folded, shares[s * kWords + word]);
-      words[word] = folded;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    const double total = Sum::total(words, 1);
-    // An empty mean is 0 / 0 = NaN, as in PyTorch.
-    *out = Convert<typename Op::Out>::from(mean ? total / double(n) : total);
-  }
-}
 
 template <class Op>
 __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) elementwise_kernel(Op op, int64_t n) {
@@ -132,8 +71,9 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) reduced_loss_
 template <class Op>
 cudaError_t launch_backward_kernel(const Op& op, const LossProblem& p, int64_t tiles, const BackwardOptions& options,
                                    cudaStream_t stream) {
-  const int64_t wave = std::max<int64_t>(1, int64_t(options.num_sms) * Op::kBlocksPerSm);
-  const int64_t blocks = options.correct_in_place ? std::min(tiles, wave) : tiles;
+  const int64_t sms_wave = int64_t(options.num_sms) * Op::kBlocksPerSm;
+  const int64_t wave = sms_wave > 1 ? sms_wave : 1;
+  const int64_t blocks = options.correct_in_place && wave < tiles ? wave : tiles;
   reduced_loss_backward_kernel<Op><<<blocks, kBlockThreads, 0, stream>>>(
       op, p.numel, tiles, options.history, options.correct_in_place, p.expected_grad_output);
   return cudaGetLastError();
