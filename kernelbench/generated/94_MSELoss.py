@@ -696,14 +696,16 @@ __host__ __device__ constexpr int scratch_copies(int64_t tiles) {
 namespace fusedloss {
 
 template <int kCopies, class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum,
+                                                                                  int copies) {
   using Sum = ExactSum<typename Op::T>;
   static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
   op.begin();
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
+  const unsigned copy = blockIdx.x & unsigned((kCopies > 0 ? kCopies : copies) - 1);
+  if (threadIdx.x == 0) Sum::add(sum + copy * Sum::kCopyWords, total);
 }
 
 constexpr int64_t kBlockwiseMaxTiles = 1024;
@@ -749,10 +751,15 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
     using T = typename Op::T;
     op.reduction_scale = mean ? 1.0 / double(p.numel) : 1.0;
     op.expected_grad_output = double(static_cast<T>(p.expected_grad_output));
-    constexpr int kSmall = scratch_copies<T>(0);
-    constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
-    const auto kernel = scratch_copies<T>(tiles) == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
-    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+    const int copies = scratch_copies<T>(tiles);
+    if constexpr (kGrads == Grads::kNone) {
+      constexpr int kSmall = scratch_copies<T>(0);
+      constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
+      const auto kernel = copies == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum, copies);
+    } else {
+      reduced_loss_kernel<0, Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum, copies);
+    }
     return cudaGetLastError();
   });
 }

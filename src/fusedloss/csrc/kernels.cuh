@@ -13,14 +13,16 @@ namespace fusedloss {
 // costs the read-only fp32 MSE and L1 kernels a register spill and some of
 // their bandwidth (docs/design.md).
 template <int kCopies, class Op>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum) {
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum,
+                                                                                  int copies) {
   using Sum = ExactSum<typename Op::T>;
   static_assert(kTileElements<Op> <= Sum::kMaxTileValues);
   op.begin();
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) Sum::add(sum + blockIdx.x % kCopies * Sum::kCopyWords, total);
+  const unsigned copy = blockIdx.x & unsigned((kCopies > 0 ? kCopies : copies) - 1);  // a power of two
+  if (threadIdx.x == 0) Sum::add(sum + copy * Sum::kCopyWords, total);
 }
 
 // The blockwise reduction's bounds (its kernel: reduced_loss_blockwise.cu).

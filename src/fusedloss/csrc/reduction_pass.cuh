@@ -36,10 +36,15 @@ cudaError_t launch_reduction_pass(const LossProblem& p, Word* sum, void* grad_in
     using T = typename Op::T;
     op.reduction_scale = mean ? 1.0 / double(p.numel) : 1.0;
     op.expected_grad_output = double(static_cast<T>(p.expected_grad_output));
-    constexpr int kSmall = scratch_copies<T>(0);
-    constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
-    const auto kernel = scratch_copies<T>(tiles) == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
-    kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum);
+    const int copies = scratch_copies<T>(tiles);
+    if constexpr (kGrads == Grads::kNone) {
+      constexpr int kSmall = scratch_copies<T>(0);
+      constexpr int kLarge = scratch_copies<T>(kLargeScratchFromTiles);
+      const auto kernel = copies == kLarge ? reduced_loss_kernel<kLarge, Op> : reduced_loss_kernel<kSmall, Op>;
+      kernel<<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum, copies);
+    } else {
+      reduced_loss_kernel<0, Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, sum, copies);
+    }
     return cudaGetLastError();
   });
 }
