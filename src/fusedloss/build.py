@@ -580,16 +580,19 @@ def build(arch: str | None = None, force: bool = False, families: Sequence[str] 
         raise KernelsUnavailableError("no GPU is visible and no architecture was named: pass --arch (for example "
                                       "python -m fusedloss build --arch 9.0) or set TORCH_CUDA_ARCH_LIST")
     libraries = {}
+    chosen = _families(families)
+    with_cxx_autograd = cxx_autograd and FAMILIES["plain"] in chosen
     with _load_lock:
-        for family in _families(families):
-            library, why_not = prebuilt(family.name, [_capability(a) for a in archs])
-            if library is not None and not force:
-                libraries[family.name] = _load_library(library, library.parent)
-            else:
-                libraries[family.name] = _build_or_load(family, archs, force, why_not)
-        if cxx_autograd and "plain" in libraries:
-            if force:
-                shutil.rmtree(cxx_autograd_library().parent, ignore_errors=True)
+        if with_cxx_autograd and force:
+            shutil.rmtree(cxx_autograd_library().parent, ignore_errors=True)
+        with _cxx_autograd_compiling(with_cxx_autograd):
+            for family in chosen:
+                library, why_not = prebuilt(family.name, [_capability(a) for a in archs])
+                if library is not None and not force:
+                    libraries[family.name] = _load_library(library, library.parent)
+                else:
+                    libraries[family.name] = _build_or_load(family, archs, force, why_not)
+        if with_cxx_autograd:
             load_cxx_autograd(build_if_missing=True)
     return libraries
 
@@ -616,7 +619,8 @@ def load(*families: str) -> dict[str, Path]:
                     if library is not None:
                         _loaded[family.name] = _load_library(library, library.parent)
                     else:
-                        _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not)
+                        with _cxx_autograd_compiling(family.name == "plain"):
+                            _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not)
                     if family.name == "plain":
                         # A source build has a compiler at hand; a wheel's user gets it from `build`.
                         load_cxx_autograd(build_if_missing=library is None)
@@ -676,18 +680,14 @@ def _compile_cxx_autograd(library: Path) -> None:
     _say(f"compiled the C++ autograd in {time.perf_counter() - start:.0f} s")
 
 
-def load_cxx_autograd(build_if_missing: bool) -> bool:
-    """Load the accelerator for this torch where it is cached, else compile it first if
-    `build_if_missing`; return whether it serves. A failed compile is recorded and said
-    once, and the Python autograd serves."""
-    global _cxx_autograd_loaded
-    if _cxx_autograd_loaded or os.environ.get(CXX_AUTOGRAD_ENV, "1") == "0":
-        return _cxx_autograd_loaded
+def _compiled_cxx_autograd(build_if_missing: bool) -> Path | None:
+    """The accelerator's library for this torch, compiled first if missing and
+    `build_if_missing`; None where it is not there (a failed compile is recorded and said once)."""
     library = cxx_autograd_library()
     record = library.parent / "build-failed.txt"
     if not library.exists():
         if not build_if_missing or record.exists():
-            return False
+            return None
         library.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(library.parent / "build.flock"):
             if not library.exists():
@@ -697,7 +697,43 @@ def load_cxx_autograd(build_if_missing: bool) -> bool:
                     record.write_text(f"{error}\n")
                     _say(f"the optional C++ autograd did not compile ({error}); the Python autograd serves, "
                          f"with the same results. Recorded in {record}.")
-                    return False
+                    return None
+    return library
+
+
+@contextmanager
+def _cxx_autograd_compiling(wanted: bool) -> Iterator[None]:
+    """Compile the accelerator, where `wanted` and missing, in a thread while the body builds
+    the kernels: a host compile beside nvcc's, so a source build's wall time is the longer
+    of the two, not their sum. Loading it stays with the caller, after the kernels'
+    operators exist."""
+    worker = None
+    if (wanted and not _cxx_autograd_loaded and os.environ.get(CXX_AUTOGRAD_ENV, "1") != "0"
+            and not cxx_autograd_library().exists()):
+        def compile_quietly() -> None:
+            try:
+                _compiled_cxx_autograd(build_if_missing=True)
+            except Exception:  # the caller's load_cxx_autograd meets it again and reports it
+                pass
+        worker = threading.Thread(target=compile_quietly, name="fusedloss-cxx-autograd", daemon=True)
+        worker.start()
+    try:
+        yield
+    finally:
+        if worker is not None:
+            worker.join()
+
+
+def load_cxx_autograd(build_if_missing: bool) -> bool:
+    """Load the accelerator for this torch where it is cached, else compile it first if
+    `build_if_missing`; return whether it serves. A failed compile is recorded and said
+    once, and the Python autograd serves."""
+    global _cxx_autograd_loaded
+    if _cxx_autograd_loaded or os.environ.get(CXX_AUTOGRAD_ENV, "1") == "0":
+        return _cxx_autograd_loaded
+    library = _compiled_cxx_autograd(build_if_missing)
+    if library is None:
+        return False
     try:
         torch.ops.load_library(str(library))
     except OSError as error:
