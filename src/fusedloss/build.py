@@ -370,7 +370,7 @@ def _first_error_lines(message: str, count: int = 3) -> str:
 
 # About how many seconds of one core a family's objects take per architecture, and the
 # slowest of them (an H100 host's cores, torch 2.11).
-_CORE_SECONDS = {"plain": (300, 14), "weighted": (450, 31)}
+_CORE_SECONDS = {"plain": (230, 13), "weighted": (360, 26)}
 
 
 def _expected_seconds(archs: Sequence[str], family: str) -> int:
