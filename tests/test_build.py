@@ -421,3 +421,67 @@ def test_a_build_that_fits_the_carried_kernels_loads_them(carried, monkeypatch):
     monkeypatch.setattr(build, "_load_library", lambda path, directory: loaded.append(path) or path)
     monkeypatch.setattr(build, "_build_or_load", lambda *args, **kwargs: pytest.fail("compiled"))
     assert build.build("9.0", cxx_autograd=False) == libraries and loaded == list(libraries.values())
+
+
+class _FakeChild:
+    """A stand-in for a child build's process: records its command and when it was waited for."""
+
+    def __init__(self, events: list, command: list[str], **kwargs) -> None:
+        self.command, self.events, self.kwargs = command, events, kwargs
+        events.append(("spawned", command[command.index("--family") + 1]))
+
+    def wait(self) -> int:
+        self.events.append(("waited", self.command[self.command.index("--family") + 1]))
+        return 0
+
+    def terminate(self) -> None:
+        self.events.append(("terminated", self.command[self.command.index("--family") + 1]))
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_families_that_need_compiling_compile_side_by_side(tmp_path, monkeypatch, force):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    events: list = []
+    children: list[_FakeChild] = []
+    monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
+    monkeypatch.setattr(build.subprocess, "Popen",
+                        lambda command, **kwargs: children.append(_FakeChild(events, command, **kwargs))
+                        or children[-1])
+
+    def build_or_load(family, archs, force=False, why=""):
+        events.append(("built", family.name, force))
+        return tmp_path / f"{family.name}.so"
+
+    monkeypatch.setattr(build, "_build_or_load", build_or_load)
+    libraries = build.build("8.0;9.0+PTX", force=force, cxx_autograd=False)
+    assert libraries == {"plain": tmp_path / "plain.so", "weighted": tmp_path / "weighted.so"}
+    # the weighted family compiles in a child while this process compiles the plain one; the child's
+    # result is loaded after it ends, without compiling again
+    assert events == [("spawned", "weighted"), ("built", "plain", force), ("waited", "weighted"),
+                      ("built", "weighted", False), ("waited", "weighted")]
+    (child,) = children
+    assert child.command[1:] == ["-m", "fusedloss", "build", "--family", "weighted", "--arch", "8.0;9.0+PTX"] + (
+        ["--force"] if force else [])
+    assert child.command[0] == sys.executable and str(SRC) in child.kwargs["env"]["PYTHONPATH"].split(os.pathsep)
+
+
+def test_a_cached_family_starts_no_child_and_a_failed_build_stops_the_children(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    events: list = []
+    monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
+    monkeypatch.setattr(build.subprocess, "Popen", lambda command, **kwargs: _FakeChild(events, command, **kwargs))
+    cached = tmp_path / build.build_name(["9.0"], "weighted")
+    cached.mkdir()
+    (cached / "build-complete").touch()
+    monkeypatch.setattr(build, "_build_or_load", lambda family, *args, **kwargs: tmp_path / f"{family.name}.so")
+    build.build("9.0", cxx_autograd=False)
+    assert events == []
+    (cached / "build-complete").unlink()
+
+    def failing(family, *args, **kwargs):
+        raise build.KernelsUnavailableError(f"{family.name} failed")
+
+    monkeypatch.setattr(build, "_build_or_load", failing)
+    with pytest.raises(build.KernelsUnavailableError, match="plain failed"):
+        build.build("9.0", cxx_autograd=False)
+    assert events == [("spawned", "weighted"), ("terminated", "weighted"), ("waited", "weighted")]

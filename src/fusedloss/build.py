@@ -565,6 +565,35 @@ def _families(names: Sequence[str]) -> list[Family]:
     return [FAMILIES[name] for name in (names or FAMILIES)]
 
 
+@contextmanager
+def _compiling_beside(families: Sequence[Family], archs: Sequence[str],
+                      force: bool) -> Iterator[dict[str, subprocess.Popen]]:
+    """Compile `families` each in a child process (``python -m fusedloss build --family``)
+    while this one compiles another: two ninja builds keep the cores busy through each
+    other's tails. Yields each child by family name; the caller waits for a child before
+    it loads that family, which is then cached (or its failure recorded, which the
+    caller reports). Children still running when the body raises are stopped."""
+    children: dict[str, subprocess.Popen] = {}
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    for family in families:
+        if not force and (build_root() / build_name(archs, family.name) / "build-complete").exists():
+            continue
+        command = [sys.executable, "-m", "fusedloss", "build", "--family", family.name, "--arch", ";".join(archs)]
+        # its stderr says what it compiles and how long that took; its summary on stdout is this process's to give
+        children[family.name] = subprocess.Popen(command + (["--force"] if force else []), env=env,
+                                                 stdout=subprocess.DEVNULL)
+    try:
+        yield children
+    except BaseException:
+        for child in children.values():
+            child.terminate()
+        raise
+    finally:
+        for child in children.values():
+            child.wait()
+
+
 def build(arch: str | None = None, force: bool = False, families: Sequence[str] = (),
           cxx_autograd: bool = True) -> dict[str, Path]:
     """Build `families` (default: all) for `arch` (else ``TORCH_CUDA_ARCH_LIST``, else the
@@ -574,6 +603,8 @@ def build(arch: str | None = None, force: bool = False, families: Sequence[str] 
 
     Needs no GPU, so a login node or an image build can prepare the cache that
     later GPU processes load. ``force`` builds again, also after a recorded failure.
+    Families that need compiling compile side by side: the first here, each other one
+    in a child process.
     """
     archs = arch_list(arch)
     if not archs:
@@ -585,13 +616,19 @@ def build(arch: str | None = None, force: bool = False, families: Sequence[str] 
     with _load_lock:
         if with_cxx_autograd and force:
             shutil.rmtree(cxx_autograd_library().parent, ignore_errors=True)
-        with _cxx_autograd_compiling(with_cxx_autograd):
-            for family in chosen:
-                library, why_not = prebuilt(family.name, [_capability(a) for a in archs])
-                if library is not None and not force:
-                    libraries[family.name] = _load_library(library, library.parent)
-                else:
-                    libraries[family.name] = _build_or_load(family, archs, force, why_not)
+        to_compile = []
+        for family in chosen:
+            library, why_not = prebuilt(family.name, [_capability(a) for a in archs])
+            if library is not None and not force:
+                libraries[family.name] = _load_library(library, library.parent)
+            else:
+                to_compile.append((family, why_not))
+        with _cxx_autograd_compiling(with_cxx_autograd), _compiling_beside(
+                [family for family, _ in to_compile[1:]], archs, force) as beside:
+            for family, why_not in to_compile:
+                if family.name in beside:
+                    beside[family.name].wait()  # its library is cached now, or its failure recorded
+                libraries[family.name] = _build_or_load(family, archs, force and family.name not in beside, why_not)
         if with_cxx_autograd:
             load_cxx_autograd(build_if_missing=True)
     return libraries
