@@ -441,6 +441,7 @@ class _FakeChild:
 @pytest.mark.parametrize("force", [False, True])
 def test_families_that_need_compiling_compile_side_by_side(tmp_path, monkeypatch, force):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_cores", lambda: 16)
     events: list = []
     children: list[_FakeChild] = []
     monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
@@ -467,6 +468,7 @@ def test_families_that_need_compiling_compile_side_by_side(tmp_path, monkeypatch
 
 def test_a_cached_family_starts_no_child_and_a_failed_build_stops_the_children(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_cores", lambda: 16)
     events: list = []
     monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
     monkeypatch.setattr(build.subprocess, "Popen", lambda command, **kwargs: _FakeChild(events, command, **kwargs))
@@ -485,3 +487,15 @@ def test_a_cached_family_starts_no_child_and_a_failed_build_stops_the_children(t
     with pytest.raises(build.KernelsUnavailableError, match="plain failed"):
         build.build("9.0", cxx_autograd=False)
     assert events == [("spawned", "weighted"), ("terminated", "weighted"), ("waited", "weighted")]
+
+
+def test_on_few_cores_the_families_compile_one_after_the_other(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_cores", lambda: build.SIDE_BY_SIDE_FROM_CORES - 1)
+    monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
+    monkeypatch.setattr(build.subprocess, "Popen", lambda *args, **kwargs: pytest.fail("a child was started"))
+    built = []
+    monkeypatch.setattr(build, "_build_or_load",
+                        lambda family, archs, force=False, why="": built.append((family.name, force)) or tmp_path)
+    build.build("9.0", force=True, cxx_autograd=False)
+    assert built == [("plain", True), ("weighted", True)]

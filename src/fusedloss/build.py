@@ -376,9 +376,12 @@ _CORE_SECONDS = {"plain": (230, 13), "weighted": (360, 26)}
 def _expected_seconds(archs: Sequence[str], family: str) -> int:
     """About how long a family's build takes here: its objects compile in parallel, so the
     slowest one bounds it on many cores, the total work on few."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     total, slowest = _CORE_SECONDS[family]
-    return round(len(archs) * max(slowest, total / cores))
+    return round(len(archs) * max(slowest, total / _cores()))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _say(line: str) -> None:
@@ -565,6 +568,9 @@ def _families(names: Sequence[str]) -> list[Family]:
     return [FAMILIES[name] for name in (names or FAMILIES)]
 
 
+SIDE_BY_SIDE_FROM_CORES = 8
+
+
 @contextmanager
 def _compiling_beside(families: Sequence[Family], archs: Sequence[str],
                       force: bool) -> Iterator[dict[str, subprocess.Popen]]:
@@ -572,8 +578,12 @@ def _compiling_beside(families: Sequence[Family], archs: Sequence[str],
     while this one compiles another: two ninja builds keep the cores busy through each
     other's tails. Yields each child by family name; the caller waits for a child before
     it loads that family, which is then cached (or its failure recorded, which the
-    caller reports). Children still running when the body raises are stopped."""
+    caller reports). Children still running when the body raises are stopped. Below
+    SIDE_BY_SIDE_FROM_CORES cores nothing starts: there the builds only contend, and one
+    after the other is faster."""
     children: dict[str, subprocess.Popen] = {}
+    if _cores() < SIDE_BY_SIDE_FROM_CORES:
+        families = ()
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     for family in families:
@@ -603,8 +613,9 @@ def build(arch: str | None = None, force: bool = False, families: Sequence[str] 
 
     Needs no GPU, so a login node or an image build can prepare the cache that
     later GPU processes load. ``force`` builds again, also after a recorded failure.
-    Families that need compiling compile side by side: the first here, each other one
-    in a child process.
+    Families that need compiling compile side by side on a host of
+    ``SIDE_BY_SIDE_FROM_CORES`` cores or more: the first here, each other one in a
+    child process.
     """
     archs = arch_list(arch)
     if not archs:
