@@ -8,10 +8,11 @@
 
 namespace fusedloss {
 
-// One block per tile; each adds its tile's sum into copy blockIdx.x % kCopies
-// of the exact sum. kCopies is a template parameter: read at run time, it
-// costs the read-only fp32 MSE and L1 kernels a register spill and some of
-// their bandwidth (docs/design.md).
+// One block per tile; each adds its tile's sum into copy blockIdx.x % copies
+// of the exact sum, the count fixed by kCopies, or read from `copies` where
+// kCopies is 0. The read-only pass fixes it: read at run time, it costs the
+// read-only fp32 MSE and L1 kernels a register spill and some of their
+// bandwidth; the gradient-writing passes read it (docs/design.md).
 template <int kCopies, class Op>
 __global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm) reduced_loss_kernel(Op op, int64_t n, Word* sum,
                                                                                   int copies) {
