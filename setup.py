@@ -67,7 +67,7 @@ def _kernel_build():
             sources=[str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
                      for path in build.shard_sources(family, ROOT / "build" / "shards" / family.name)],
             include_dirs=[str(build.CSRC)],
-            extra_compile_args={"cxx": build.COMMON_FLAGS, "nvcc": build.COMMON_FLAGS + build.gencode_flags(archs)},
+            extra_compile_args={"cxx": build.COMMON_FLAGS, "nvcc": build.CUDA_FLAGS + build.gencode_flags(archs)},
             # The pip runtime has only libcudart.so.<major>, which torch has loaded by then: no rpath.
             extra_link_args=[arg for arg in build.cudart_link_flags(toolkit, link_dir) if "-rpath" not in arg],
             py_limited_api=True,  # no Python API: links no libtorch_python

@@ -54,7 +54,8 @@ def test_each_cu_file_is_compiled_once_per_shard(tmp_path):
 
 
 def test_the_host_code_targets_the_stable_abi():
-    assert any(flag.startswith("-DTORCH_TARGET_VERSION=0x020a") for flag in build.COMMON_FLAGS)
+    for flags in (build.COMMON_FLAGS, build.CUDA_FLAGS):
+        assert any(flag.startswith("-DTORCH_TARGET_VERSION=0x020a") for flag in flags)
     # The optional C++ autograd is the one exception: compiled per torch, outside the families.
     assert all(build._CXX_AUTOGRAD_SOURCE.name not in family.sources for family in build.FAMILIES.values())
     for path in build.CSRC.iterdir():
@@ -67,7 +68,7 @@ def test_the_host_code_targets_the_stable_abi():
 
 def test_no_flag_fixes_the_cpp_standard():
     # torch's cpp_extension picks the standard its headers need (C++20 from torch 2.14 on).
-    assert not any(flag.startswith("-std") for flag in build.COMMON_FLAGS)
+    assert not any(flag.startswith("-std") for flag in build.COMMON_FLAGS + build.CUDA_FLAGS)
 
 
 def test_the_tables_of_losses_agree_across_the_language_boundary():
