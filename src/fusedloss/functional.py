@@ -391,7 +391,7 @@ def _nan_where_invalid(row: Loss, param: Tensor) -> Tensor:
     never a plausible number, and nothing waits for the GPU to check them."""
     if not param.is_floating_point():
         param = param.to(torch.get_default_dtype())
-    return param.masked_fill(~row.param_valid(param), math.nan)
+    return torch.where(row.param_valid(param), param, math.nan)
 
 
 def _as_quantiles(quantiles: object, input: Tensor, target: Tensor) -> float | Tensor:

@@ -60,7 +60,8 @@ class Loss:
     def param_valid(self, value: float | Tensor) -> bool | Tensor:
         """Whether the param lies in its domain (NaN does not); elementwise for a tensor."""
         low = value >= 0 if self.param_zero_is is not None or self.param_zero_valid else value > 0
-        return low & (value <= self.param_max)
+        # no upper bound to test (NaN already fails the lower one): one launch fewer for a tensor
+        return low if self.param_max == math.inf else low & (value <= self.param_max)
 
 
 # The Python side of the table of losses; csrc/losses.cuh holds the CUDA side,
