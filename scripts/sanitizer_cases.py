@@ -8,7 +8,8 @@ tile per block), and the autocast kernels that read 16-bit operands; the
 weighted reductions with each weight layout (none, one value, one to three
 runs of dimensions, runs shorter than a chunk, the loss's own size), scale
 on the host and on the device, and a weight that requires grad (its gradient
-written beside the input's), and a weight of five runs; reduction='none' backward
+written beside the input's), a weight over leading dimensions of rows of whole
+tiles, and a weight of five runs; reduction='none' backward
 with a grad_output expanded by a sum over some dimensions; per-sample losses (dim=).
 """
 
@@ -86,6 +87,20 @@ def main() -> None:
                 torch.cuda.synchronize()
             with torch.no_grad():
                 fn(input, target, reduction=reduction, weight=weight, scale=scale, **kwargs)
+        cases += 1
+    # A weight over leading dimensions of rows of whole tiles, with the loss's sum per row
+    # where the weight requires grad.
+    for i, ((name, (fn, kwargs)), weight_shape) in enumerate(itertools.product(LOSSES.items(), ((3, 1, 1), (1, 5, 1)))):
+        in_dtype, tgt_dtype = DTYPE_PAIRS[i % len(DTYPE_PAIRS)]
+        input = operand(3 * 5 * 8192, in_dtype, 0).view(3, 5, 8192)
+        target = operand(3 * 5 * 8192, tgt_dtype, 0).view(3, 5, 8192)
+        weight = torch.rand(weight_shape, device="cuda").requires_grad_()
+        for fused_from in (0, 1 << 62):
+            routing.FUSED_GRADIENT_FROM_BYTES = fused_from
+            (fn(input, target, weight=weight, scale=0.5, **kwargs) * 0.5).backward()
+            torch.cuda.synchronize()
+        with torch.no_grad():
+            fn(input, target, weight=weight, **kwargs)
         cases += 1
     # A weight of five runs, expanded first over the shortest broadcast run between spanned ones.
     for name, (fn, kwargs) in LOSSES.items():

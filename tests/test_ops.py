@@ -58,7 +58,7 @@ def test_the_history_slot_reaches_the_backward_not_the_forward():
     torch.testing.assert_close(grad, torch.autograd.grad(torch.nn.functional.huber_loss(input, target, delta=1.5),
                                                          input)[0])
     out = ops.WeightedLoss.apply(input, target, weight, None, None, 0.5, "mse", 0.0, [True, False, False], 3, 2.0,
-                                 False)
+                                 False, -1)
     assert out[0].grad_fn.slot == 3 and out[0].grad_fn.expected_grad_output == 2.0
     out = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, False], 0.5)
     assert out[0].grad_fn.slot == -1 and out[0].grad_fn.expected_grad_output == 0.5
@@ -158,6 +158,44 @@ def test_opcheck_weighted(device, loss, weight_shape):
     torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward_,
                           (*written, torch.tensor(-3.0, device=device), input.detach(), target.detach(), weight,
                            scale, divisor, 0.5, name, param, 1000.0, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", losses.LOSSES)
+@pytest.mark.parametrize("kept, weight_shape", [(2, (2, 1, 1)), (2, (1, 3, 1)), (1, (2, 1, 1)), (0, ()), (2, None)],
+                         ids=str)
+def test_weighted_loss_sums_rows_for_weight_kept_dims(device, loss, kept, weight_shape):
+    """weight_kept_dims: the weight's gradient output is the loss summed over each row of
+    the later dimensions (float64), asked for with the operands' gradients or alone; the
+    loss and the operands' gradients are those without it."""
+    input, target, name, param = _sample_args(device, loss, shape=(2, 3, ops.ROW_TILING_MULTIPLE))
+    weight = None if weight_shape is None else torch.rand(weight_shape, device=device)
+    expected_sums = ops.loss_row_sums(input.detach(), target.detach(), name, param, kept)
+    for mask in ([False, False, True], [True, False, True], [True, True, False]):
+        torch.library.opcheck(torch.ops.fusedloss.weighted_loss,
+                              (input, target, weight, None, None, 0.5, name, param, mask, 1.0, False, kept))
+        with torch.no_grad():
+            out, *gradients, sums = torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 0.5, name,
+                                                                      param, mask, 1.0, False, kept)
+            plain, *plain_gradients, _ = torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 0.5,
+                                                                           name, param, [*mask[:2], False])
+        torch.testing.assert_close(out, plain)
+        for gradient, plain_gradient in zip(gradients, plain_gradients):
+            assert torch.equal(gradient, plain_gradient)
+        if mask[2]:
+            assert sums.dtype == torch.float64 and sums.shape == input.shape[:kept]
+            torch.testing.assert_close(sums, expected_sums)
+        else:
+            assert sums.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weighted_loss_refuses_weight_kept_dims_that_do_not_fit(device):
+    input, target, name, param = _sample_args(device, "mse", shape=(2, 3, ops.ROW_TILING_MULTIPLE))
+    for weight, kept in ((torch.rand(2, 3, 1, device=device), 1), (torch.rand(2, 1, 1, device=device), 3)):
+        with pytest.raises(RuntimeError, match="weight_kept_dims"):
+            torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 1.0, name, param,
+                                              [False, False, True], 1.0, False, kept)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -48,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss.nn
-from fusedloss import build, losses, routing
+from fusedloss import build, losses, ops, routing
 
 from conftest import LOSSES, PARAMS, TOLERANCE, heavy_tailed, loss_kwargs, requires_cuda, warm_up_for_capture
 
@@ -329,6 +329,34 @@ def test_against_float64(device, name, reduction, weight_kind, scale_kind):
         scale = make_scale(scale_kind, device, requires_grad=scale_grad)
         check_against_reference(name, reduction, input, target, weight, scale,
                                 msg=f"weight requires grad: {weight_grad}, scale: {scale_grad}")
+
+
+@pytest.mark.parametrize("forward_writes", [False, True], ids=["backward-pass", "forward-pass"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weight_kind", ["per-sample", "per-channel", "0-d"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", LOSSES)
+def test_weight_over_leading_dims_takes_the_forwards_row_sums(device, monkeypatch, name, reduction, weight_kind,
+                                                              dtype, forward_writes):
+    """A weight over leading dimensions whose rows are long (ops.weight_row_tiling): the
+    forward sums the loss of each row, and backward gives the weight's gradient from those
+    sums, with no per-sample pass. Values and the gradients of input, target and weight
+    against float64, where the forward writes the operands' gradients and where backward
+    does."""
+    if device == "cpu" and not routing.kernels_apply(torch.ones(1), torch.ones(1)):
+        pytest.skip("fusedloss's plain CPU path: torch operations by design")
+    if dtype == torch.bfloat16 and device != "cuda":
+        pytest.skip("16-bit operands: the CUDA kernels")
+    if forward_writes:
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)
+    input, target = operands((2, 3, 4, 2048), device, dtype, clamp=8.0)
+    weight = make_weight("positive", device, requires_grad=True,
+                         shape={"per-sample": (2, 1, 1, 1), "per-channel": (1, 3, 1, 1), "0-d": ()}[weight_kind])
+    assert ops.weight_row_tiling(weight, input, target) >= 0
+    with _RecordOps() as recorder:
+        check_against_reference(name, reduction, input, target, weight, 0.5)
+    assert any(op.startswith("fusedloss.weighted_loss") for op in recorder.ops), recorder.ops
+    assert not any(op.startswith("fusedloss.per_sample_loss") for op in recorder.ops), recorder.ops
 
 
 @pytest.mark.parametrize("name", LOSSES)

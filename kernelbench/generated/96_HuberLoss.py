@@ -74,6 +74,7 @@ struct LossProblem {
   double expected_grad_output = 1.0;
   ElementWeight weight;
   DeviceScale scale;
+  int64_t row_length = 0;
 };
 
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
@@ -210,6 +211,7 @@ struct LossProblem {
   double expected_grad_output = 1.0;
   ElementWeight weight;
   DeviceScale scale;
+  int64_t row_length = 0;
 };
 
 int64_t reduced_loss_scratch_bytes(const LossProblem& problem, bool writes_gradients);
@@ -362,6 +364,10 @@ struct Unweighted {
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
+  template <int W, typename T>
+  __device__ __forceinline__ static T summand(const Values<W, T>&, int, T x) { return x; }
+  template <int W, typename T>
+  __device__ __forceinline__ static void note_row_weight(const Values<W, T>&) {}
   template <typename T>
   __device__ __forceinline__ void begin(T& grad_scale, double reduction_scale, double grad_output) const {
     grad_scale = T(reduction_scale * grad_output);
@@ -471,10 +477,11 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
     alignas(16) Out gw[kWritesWeightGradient ? W : 1];
+    weights.note_row_weight(c.weight);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T value = this->value(c.input[k], c.target[k]);
-      chunk_sum += Weights::times(c.weight, k, value);
+      chunk_sum += weights.summand(c.weight, k, value);
       const T factor = Weights::times(c.weight, k, grad_scale);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);

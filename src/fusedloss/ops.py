@@ -47,8 +47,13 @@ broadcast shape and autograd sums them to each operand's own shape.
   operands' shape and is read where it lies. The weight's gradient (the third
   of ``output_mask``) is written per element of the loss, ``host_scale * scale
   / divisor * loss_e``, and only beside input's or target's; autograd sums it to
-  the weight's shape, and gives the divisor ``-out / divisor``. ``scale`` takes
-  no gradient (``weighted`` computes that case with torch operations).
+  the weight's shape, and gives the divisor ``-out / divisor``. With
+  ``weight_kept_dims`` (>= 0; the weight is 1 along every later dimension, whose
+  elements make a multiple of ``ROW_TILING_MULTIPLE``), the reduction's tiles lie
+  within rows, and that output is instead the loss's sum over each row (float64, the kept
+  dimensions' shape, in any pass), from which backward gives the weight's
+  gradient. ``scale`` takes no gradient (``weighted`` computes that case with
+  torch operations).
 - ``weighted_loss_gradients``: weighted_loss's gradients as a composite of
   torch operations, for ``create_graph=True`` and for a weight's gradient
   wanted alone.
@@ -99,8 +104,8 @@ _lib.define(
 )
 _lib.define(
     "weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, "
-    "str loss, float param, bool[3] output_mask, float expected_grad_output=1.0, bool autocast=False) "
-    "-> (Tensor, Tensor, Tensor, Tensor)"
+    "str loss, float param, bool[3] output_mask, float expected_grad_output=1.0, bool autocast=False, "
+    "int weight_kept_dims=-1) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
@@ -245,15 +250,23 @@ def _weighted_grad_buffers(input: Tensor, target: Tensor, loss: str, output_mask
             _grad_buffer(output_mask[2], loss_like, shape))
 
 
+def _row_sums_buffer(wanted: bool, input: Tensor, target: Tensor, kept_dims: int) -> Tensor:
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    return input.new_empty(shape[:kept_dims] if wanted else (0,), dtype=torch.float64)
+
+
 @torch.library.register_fake("fusedloss::weighted_loss")
 def _weighted_loss_fake(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
-    autocast: bool = False,
+    autocast: bool = False, weight_kept_dims: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "weighted")
     out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
-    return out, *_weighted_grad_buffers(input, target, loss, output_mask, autocast)
+    if weight_kept_dims < 0:
+        return out, *_weighted_grad_buffers(input, target, loss, output_mask, autocast)
+    grad_input, grad_target, _ = _weighted_grad_buffers(input, target, loss, [*output_mask[:2], False], autocast)
+    return out, grad_input, grad_target, _row_sums_buffer(output_mask[2], input, target, weight_kept_dims)
 
 
 @torch.library.register_fake("fusedloss::weighted_loss_backward")
@@ -407,17 +420,47 @@ def _masked(gradients: tuple[Tensor, Tensor, Tensor], output_mask: Sequence[bool
     return tuple(g if wanted else _grad_buffer(False, g, g.shape) for g, wanted in zip(gradients, output_mask))
 
 
+def _check_weight_kept_dims(input: Tensor, target: Tensor, weight: Tensor | None, kept_dims: int) -> None:
+    """As the CUDA operator checks weight_kept_dims: rows of a multiple of
+    ROW_TILING_MULTIPLE elements, along which the weight is 1."""
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    if kept_dims > len(shape):
+        raise RuntimeError("fusedloss: weight_kept_dims exceeds the loss's dimensions")
+    if math.prod(shape[kept_dims:]) % ROW_TILING_MULTIPLE:
+        raise RuntimeError(f"fusedloss: weight_kept_dims leaves rows of {math.prod(shape[kept_dims:])} elements; "
+                           f"it takes rows of a multiple of {ROW_TILING_MULTIPLE}")
+    offset = len(shape) - (0 if weight is None else weight.dim())
+    if weight is not None and any(weight.shape[d - offset] != 1 for d in range(max(kept_dims, offset), len(shape))):
+        raise RuntimeError("fusedloss: weight_kept_dims needs a weight of size 1 along every later dimension")
+
+
+def loss_row_sums(input: Tensor, target: Tensor, loss: str, param: float, kept_dims: int,
+                  autocast: bool = False) -> Tensor:
+    """The loss summed over every dimension after the first `kept_dims`, in float64."""
+    per_element = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, "none").to(torch.float64)
+    dims = tuple(range(kept_dims, per_element.dim()))
+    return per_element.sum(dims) if dims else per_element
+
+
 @torch.library.impl(_lib, "weighted_loss", "CPU")
 def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
-    autocast: bool = False,
+    autocast: bool = False, weight_kept_dims: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check_weighted_mask(output_mask)
+    row_sums = weight_kept_dims >= 0
+    if row_sums:
+        _check_weight_kept_dims(input, target, weight, weight_kept_dims)
+    operand_mask = [*output_mask[:2], output_mask[2] and not row_sums]
+    _check_weighted_mask(operand_mask)
     out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast)
     gradients = weighted_gradients(expected_grad_output, input, target, weight, scale, divisor, host_scale, loss,
                                    param, autocast)
-    return (out, *_masked(gradients, output_mask))
+    grad_input, grad_target, grad_weight = _masked(gradients, operand_mask)
+    if row_sums:
+        grad_weight = (loss_row_sums(input, target, loss, param, weight_kept_dims, autocast) if output_mask[2]
+                       else _row_sums_buffer(False, input, target, weight_kept_dims))
+    return out, grad_input, grad_target, grad_weight
 
 
 @torch.library.impl(_lib, "weighted_loss_backward", "CPU")
@@ -476,6 +519,22 @@ def weight_gradient_rows(weight: Tensor | None, input: Tensor, target: Tensor) -
     spanned = [d for d, size in enumerate(aligned) if size != 1]
     kept = spanned[-1] + 1 if spanned else 0
     return kept if kept < len(shape) and per_sample_rows_fit(shape, kept) else None
+
+
+# weighted_loss's weight_kept_dims takes rows of a multiple of this many elements, a
+# multiple of every weighted reduction's tile (csrc/launch.h's kRowTilingMultiple).
+ROW_TILING_MULTIPLE = 8192
+
+
+def weight_row_tiling(weight: Tensor | None, input: Tensor, target: Tensor) -> int:
+    """weighted_loss's weight_kept_dims for a weight over leading dimensions
+    (weight_gradient_rows) whose rows are a multiple of ROW_TILING_MULTIPLE elements long,
+    else -1. It depends on the shapes alone, so a loss has the same bits whichever
+    gradients are asked for."""
+    kept = weight_gradient_rows(weight, input, target)
+    if kept is None or math.prod(input.shape[kept:]) % ROW_TILING_MULTIPLE:
+        return -1
+    return kept
 
 
 @torch.library.impl(_lib, "loss_gradients", "CompositeImplicitAutograd")
@@ -603,10 +662,15 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
 def _weighted_setup_context(ctx, inputs, output) -> None:
     # inputs: the Function's (_function), with the backward's history slot after output_mask.
     (input, target, weight, scale, divisor, host_scale, loss, param, output_mask, ctx.slot, ctx.expected_grad_output,
-     autocast) = inputs
+     autocast, kept_dims) = inputs
     ctx.arguments = (host_scale, loss, param, autocast)
-    ctx.output_mask = output_mask
-    ctx.weight_rows = weight_gradient_rows(weight, input, target) if ctx.needs_input_grad[2] else None
+    # With kept_dims, the weight's gradient output holds each row's loss sum instead (weight_kept_dims).
+    row_sums = kept_dims >= 0 and output_mask[2]
+    ctx.output_mask = [output_mask[0], output_mask[1], output_mask[2] and not row_sums]
+    ctx.row_sums = output[3].detach() if row_sums and ctx.needs_input_grad[2] else None
+    ctx.weight_rows = None
+    if ctx.needs_input_grad[2]:
+        ctx.weight_rows = kept_dims if row_sums else weight_gradient_rows(weight, input, target)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target, weight, scale, divisor, output[0] if ctx.needs_input_grad[4] else None)
     ctx.fused_gradients = tuple(g.detach() for g in output[1:])  # as in _reduced_setup_context
@@ -617,13 +681,14 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     element (scale times the element's loss) the kernels write beside the operands', and a
     divisor, d out / d divisor = -out / divisor. A scale takes no gradient here
     (``weighted`` computes that case with torch operations). A weight over leading
-    dimensions (weight_gradient_rows) gets its gradient summed by a per-sample pass instead.
+    dimensions (weight_gradient_rows) gets its gradient from the loss's sums over the rest,
+    which the forward gave where it was asked to (weight_kept_dims), else a per-sample pass.
     create_graph=True, and another weight's gradient wanted alone, go through the formulas."""
     if ctx.needs_input_grad[3]:
         raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
                            "compute it with torch operations")
     if grad is None:
-        return (None,) * 12
+        return (None,) * 13
     input, target, weight, scale, divisor, out = ctx.saved_tensors
     host_scale, loss, param, autocast = ctx.arguments
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
@@ -649,24 +714,27 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     grad_input, grad_target, grad_weight = gradients
     if needs[2]:
         grad_weight = (_sum_to(grad_weight, weight) if rows is None else
-                       _weight_gradient_by_rows(grad, input, target, weight, scale, divisor, ctx.arguments, rows))
+                       _weight_gradient_by_rows(grad, input, target, weight, scale, divisor, ctx.arguments, rows,
+                                                ctx.row_sums))
         grad_weight = grad_weight.to(weight.dtype)
     grad_divisor = None
     if ctx.needs_input_grad[4]:
         grad_divisor = -(grad.to(divisor.dtype) * out.to(divisor.dtype)) / divisor
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            grad_weight if needs[2] else None, None, grad_divisor, *(None,) * 7)
+            grad_weight if needs[2] else None, None, grad_divisor, *(None,) * 8)
 
 
 def _weight_gradient_by_rows(grad: Tensor, input: Tensor, target: Tensor, weight: Tensor, scale: Tensor | None,
-                             divisor: Tensor | None, arguments: tuple, rows: int) -> Tensor:
+                             divisor: Tensor | None, arguments: tuple, rows: int, sums: Tensor | None) -> Tensor:
     """d out / d weight for a weight over the first `rows` dimensions: the loss summed over
-    the others in one pass, times the factor the kernels give each element's gradient
-    (host_scale * scale / divisor * grad_output), in float64 until the one rounding into the
-    weight's dtype, summed over the leading dimensions the weight broadcasts along."""
+    the others (`sums`, the forward's, else one per-sample pass), times the factor the
+    kernels give each element's gradient (host_scale * scale / divisor * grad_output), in
+    float64 until the one rounding into the weight's dtype, summed over the leading
+    dimensions the weight broadcasts along."""
     host_scale, loss, param, autocast = arguments
-    with torch._C._AutoDispatchBelowAutograd():
-        sums = torch.ops.fusedloss.per_sample_loss.default(input, target, loss, param, rows, "sum", autocast)
+    if sums is None:
+        with torch._C._AutoDispatchBelowAutograd():
+            sums = torch.ops.fusedloss.per_sample_loss.default(input, target, loss, param, rows, "sum", autocast)
     factor = grad.to(torch.float64) * host_scale
     if scale is not None:
         factor = factor * scale.to(torch.float64)

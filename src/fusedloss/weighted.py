@@ -125,16 +125,20 @@ def _fused_weighted_loss(
             divisor = reductions.weight_sum(weight, result_dtype)
             host_scale /= numel // weight.numel()
     output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
+    kept_dims = ops.weight_row_tiling(weight, input, target)
     if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
         if routing.forward_writes_gradients(input, target, numel):
             slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target,
                                                                           weight, family="weighted")
             if not mispredicted:
-                # A weight over leading dimensions gets its gradient from a per-sample pass in backward.
+                # A weight over leading dimensions gets its gradient from the loss's sums per row.
                 weight_gradient = _needs_grad(weight) and ops.weight_gradient_rows(weight, input, target) is None
                 output_mask = [input.requires_grad, target.requires_grad, weight_gradient]
+    if kept_dims >= 0 and _needs_grad(weight):
+        output_mask = [output_mask[0], output_mask[1], True]  # the forward's sums per row
     return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight,
-                         device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math)[0]
+                         device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math,
+                         kept_dims)[0]
 
 
 def _torch_weighted(row: Loss) -> Callable[..., Tensor] | None:

@@ -51,8 +51,9 @@ Weights and masks are float32 for bfloat16 operands too, as a loss weight or a m
    (32, 16, 256, 256) = 2^25 elements: a float32 weight per channel (1, C, 1, 1) for bfloat16
    operands, and a float32 weight of the loss's own size for float32 operands (PyTorch's own
    weighted mean, torch >= 2.6).
-   read input + read target + write grad_input + write the weight's gradient per element in
-   the loss's dtype (float32) + read it to sum it per channel (the per-channel row).
+   read input + read target + write grad_input, + write the weight's gradient per element in
+   the loss's dtype (float32) for the weight of the loss's size (the per-channel weight's
+   comes from the loss's sums per row, which the forward's pass takes).
      user:  (F.mse_loss(p, t, reduction="none") * w).mean(), or F.mse_loss(p, t, weight=w)
      fused: fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel()), or
             fusedloss.mse_loss(p, t, weight=w)
@@ -116,8 +117,8 @@ SECTIONS = {
     "learned": "6. A learned float32 weight (requires grad): per channel (1, C, 1, 1), bf16 operands, user "
                "(F.mse_loss(p, t, reduction='none') * w).mean(), fused mse_loss(p, t, weight=w, reduction='sum', "
                "scale=1 / p.numel()); of the loss's size, fp32, user F.mse_loss(p, t, weight=w), fused "
-               "mse_loss(p, t, weight=w). GB adds the weight's gradient: written per element (float32), and read "
-               "to sum it per channel",
+               "mse_loss(p, t, weight=w). GB adds the weight's gradient where it is per element (float32, written); "
+               "per channel it comes from the loss's sums per row, which the forward takes",
 }
 CSV_FIELDS = ["section", "row", "dtype", "shape", "numel", "system", "device_ms", "wall_us",
               "fused_over_this_device", "fused_over_this_wall", "fused_step_bytes", "tbs", "copy_tbs", "pct_copy",
@@ -320,7 +321,7 @@ def learned_weight_row(dtype: torch.dtype, shape: tuple[int, ...] = LEARNED_WEIG
 
         def fused() -> Tensor:
             return fusedloss.mse_loss(p, t, weight=w, reduction="sum", scale=1 / p.numel())
-        extra, label = p.numel() * 4 * 2, f"mse, learned w (1,C,1,1), {shape}"
+        extra, label = 0, f"mse, learned w (1,C,1,1), {shape}"
     else:
         def user(p: Tensor, t: Tensor, w: Tensor) -> Tensor:
             return F.mse_loss(p, t, weight=w)

@@ -83,15 +83,35 @@ cudaError_t launch_backward_kernel(const Op& op, const LossProblem& p, int64_t t
 }
 
 // A weighted reduction's pass: each tile's sum (of either sign) into its slot
-// of `partials`, and the gradients the op writes.
+// of `partials`, and the gradients the op writes. Where the weight is constant along
+// rows of whole tiles (op.weights.per_row), each tile's loss is summed unweighted, into
+// its slot of `row_partials` where that is set, and times its row's weight into
+// `partials`.
 template <class Op>
 __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) weighted_reduced_loss_kernel(Op op, int64_t n,
-                                                                                                double* partials) {
+                                                                                                double* partials,
+                                                                                                double* row_partials) {
   op.begin();
   op.sum = 0.0;
   visit_tile(op, n);
   const double total = block_sum(op.sum);
-  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x] = op.weights.per_row ? row_weight() * total : total;  // noted by this thread
+    if (row_partials != nullptr) row_partials[blockIdx.x] = total;
+  }
+}
+
+// Each row's `tiles_per_row` partials added in a fixed order by a block of its own,
+// divided by `row_length` for a mean, rounded once: the same bits on every run.
+template <typename Out>
+__global__ void __launch_bounds__(kBlockThreads) finish_rows_kernel(const double* partials, int64_t tiles_per_row,
+                                                                    int64_t row_length, bool mean, Out* out) {
+  const double* row = partials + blockIdx.x * tiles_per_row;
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < tiles_per_row; i += kBlockThreads) sum += row[i];
+  const double total = block_sum(sum);
+  // An empty mean is 0 / 0 = NaN, as in PyTorch.
+  if (threadIdx.x == 0) out[blockIdx.x] = Convert<Out>::from(mean ? total / double(row_length) : total);
 }
 
 // The partials added in a fixed order, times the scale, rounded once, by one

@@ -76,6 +76,9 @@ struct ElementWeight {
   bool index_32bit = false;
 };
 
+// A multiple of every weighted reduction's tile: rows of a multiple of it are whole tiles.
+constexpr int64_t kRowTilingMultiple = 8192;
+
 // One elementwise loss over `numel` contiguous elements. `param` is beta for
 // Smooth L1 (> 0), delta for Huber and c for pseudo-Huber (> 0); unused otherwise. With `autocast`, the
 // loss is computed as CUDA autocast computes it, in float32 from 16-bit
@@ -96,6 +99,10 @@ struct LossProblem {
   // The weighted reductions' only (launch_weighted_reduced_loss*).
   ElementWeight weight;
   DeviceScale scale;
+  // > 0: the weight is constant along rows of this many elements, a multiple of
+  // kRowTilingMultiple (a weight per sample or per channel), and the forward reduction
+  // may sum the loss of each row (launch_weighted_reduced_loss).
+  int64_t row_length = 0;
 };
 
 // What a backward launch does besides computing the gradients. `history`: null, or a
@@ -136,12 +143,13 @@ cudaError_t launch_reduced_loss(const LossProblem& problem, void* scratch, void*
 // loss's dtype, and where the pointers are set the gradients (times weight,
 // scale and problem.expected_grad_output) in the same pass. `grad_weight` (the loss's dtype and size) gets
 // scale * loss(e) (times the expected grad_output), d out / d weight(e) for a
-// fixed scale; it is written only
-// beside grad_input or grad_target (cudaErrorInvalidValue alone). Each tile's
-// sum goes to `partials` (weighted_reduced_loss_partials doubles), which a
-// second launch adds up in a fixed order: the same bits on every run, with
-// weights of either sign.
-int64_t weighted_reduced_loss_partials(const LossProblem& problem);
+// fixed scale; it is written only beside grad_input or grad_target
+// (cudaErrorInvalidValue alone). With problem.row_length set, `grad_weight` (float64,
+// one per row) gets instead each row's sum of loss(e), in any pass. Each tile's
+// sum goes to `partials` (weighted_reduced_loss_partials doubles, given whether the
+// row sums are written), which a second launch adds up in a fixed order: the same
+// bits on every run, with weights of either sign.
+int64_t weighted_reduced_loss_partials(const LossProblem& problem, bool row_sums);
 cudaError_t launch_weighted_reduced_loss(const LossProblem& problem, double* partials, void* grad_input,
                                          void* grad_target, void* grad_weight, void* out, cudaStream_t stream);
 

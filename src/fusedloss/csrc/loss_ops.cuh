@@ -54,12 +54,23 @@ struct Unweighted {
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
+  template <int W, typename T>
+  __device__ __forceinline__ static T summand(const Values<W, T>&, int, T x) { return x; }
+  template <int W, typename T>
+  __device__ __forceinline__ static void note_row_weight(const Values<W, T>&) {}
   // The gradients' factor: the reduction's (1/N or 1) times grad_output, rounded once.
   template <typename T>
   __device__ __forceinline__ void begin(T& grad_scale, double reduction_scale, double grad_output) const {
     grad_scale = T(reduction_scale * grad_output);
   }
 };
+
+// The weight of the row that a block's tile lies in, in a reduction over rows
+// (Weighted::per_row, weighted_reduced_loss_kernel).
+__device__ __forceinline__ double& row_weight() {
+  __shared__ double weight;
+  return weight;
+}
 
 struct WeightIndex {
   int64_t index, inner_at;
@@ -88,6 +99,10 @@ struct Weighted {
   ElementWeight layout;
   DeviceScale scale;
   void* grad;  // the loss's dtype, the loss's shape; null: not written
+  // The weight is constant along each row of the problem (LossProblem::row_length): a
+  // reduction's tiles sum the loss unweighted, and each tile's sum is multiplied by its
+  // row's weight (weighted_reduced_loss_kernel).
+  bool per_row = false;
 
   __device__ __forceinline__ double factor() const {
     double f = scale.host;
@@ -173,6 +188,15 @@ struct Weighted {
   }
   template <int W, typename V>
   __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
+  // What element k adds to a reduction's sum.
+  template <int W, typename V>
+  __device__ __forceinline__ V summand(const Values<W, V>& v, int k, V x) const { return (per_row ? V(1) : V(v.w[k])) * x; }
+  // Over rows, every element of a tile has its row's weight: the block's first thread
+  // notes the one it loaded (it always loads the tile's first element).
+  template <int W, typename V>
+  __device__ __forceinline__ void note_row_weight(const Values<W, V>& v) const {
+    if (per_row && threadIdx.x == 0) row_weight() = double(v.w[0]);
+  }
   // The gradients' factor, scale / divisor times grad_output, rounded once (the
   // reduction's 1/N is in the host's scale).
   template <typename V>
@@ -302,10 +326,11 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     alignas(16) In gi[W];
     alignas(16) Tgt gt[W];
     alignas(16) Out gw[kWritesWeightGradient ? W : 1];
+    weights.note_row_weight(c.weight);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const T value = this->value(c.input[k], c.target[k]);
-      chunk_sum += Weights::times(c.weight, k, value);
+      chunk_sum += weights.summand(c.weight, k, value);
       const T factor = Weights::times(c.weight, k, grad_scale);
       if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);

@@ -23,20 +23,6 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) per_sample_lo
   if (threadIdx.x == 0) partials[row * gridDim.x + blockIdx.x] = total;
 }
 
-// Each row's partials added in a fixed order by a block of its own, divided by the row's
-// length for a mean, rounded once: the same bits on every run.
-template <typename Out>
-__global__ void __launch_bounds__(kBlockThreads) finish_per_sample_kernel(const double* partials,
-                                                                          int64_t tiles_per_row, int64_t row_length,
-                                                                          bool mean, Out* out) {
-  const double* row = partials + blockIdx.x * tiles_per_row;
-  double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < tiles_per_row; i += kBlockThreads) sum += row[i];
-  const double total = block_sum(sum);
-  // An empty mean is 0 / 0 = NaN, as in PyTorch.
-  if (threadIdx.x == 0) out[blockIdx.x] = Convert<Out>::from(mean ? total / double(row_length) : total);
-}
-
 template <class Loss, typename In, typename Tgt>
 using PerSampleOp = ReducedLossOp<Loss, In, Tgt, Grads::kNone>;
 
@@ -68,7 +54,7 @@ cudaError_t launch_per_sample_loss(const LossProblem& p, int64_t rows, double* p
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
     }
-    finish_per_sample_kernel<typename Op::Out><<<unsigned(rows), kBlockThreads, 0, stream>>>(
+    finish_rows_kernel<typename Op::Out><<<unsigned(rows), kBlockThreads, 0, stream>>>(
         partials, tiles, row_length, mean, static_cast<typename Op::Out*>(out));
     return cudaGetLastError();
   });

@@ -9,7 +9,8 @@
 namespace fusedloss {
 
 // The launchers this library calls, from the shards of its .cu files.
-FUSEDLOSS_SHARD_DISPATCH(int64_t, weighted_reduced_loss_partials, (const LossProblem& problem), (problem))
+FUSEDLOSS_SHARD_DISPATCH(int64_t, weighted_reduced_loss_partials, (const LossProblem& problem, bool row_sums),
+                         (problem, row_sums))
 FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_weighted_reduced_loss,
                          (const LossProblem& problem, double* partials, void* grad_input, void* grad_target,
                           void* grad_weight, void* out, cudaStream_t stream),
@@ -70,12 +71,40 @@ Tensor maybe_weight_grad_buffer(const std::vector<bool>& output_mask, const Weig
   return maybe_grad_buffer(output_mask[2], w.ops.shape, w.ops.loss_dtype, w.ops.input);
 }
 
+// A weight constant along the dimensions after the first `kept_dims` (>= 0), rows of whole
+// tiles: the reduction sums each tile unweighted, and where output_mask[2] asks, returns each row's
+// sum of the loss (float64, of the kept dimensions' shape), from which autograd gives the
+// weight's gradient. Otherwise as maybe_weight_grad_buffer.
+Tensor weight_rows_or_grad_buffer(const std::vector<bool>& output_mask, int64_t kept_dims,
+                                  const std::optional<Tensor>& weight, WeightedProblem& w) {
+  if (kept_dims < 0) return maybe_weight_grad_buffer(output_mask, w);
+  const Shape& shape = w.ops.shape;
+  STD_TORCH_CHECK(kept_dims <= int64_t(shape.size()), "fusedloss: weight_kept_dims exceeds the loss's dimensions");
+  const Shape kept(shape.begin(), shape.begin() + kept_dims);
+  const int64_t rows = product(kept);
+  const int64_t row_length = product(Shape(shape.begin() + kept_dims, shape.end()));
+  STD_TORCH_CHECK(row_length % kRowTilingMultiple == 0, "fusedloss: weight_kept_dims leaves rows of ", row_length,
+                  " elements; it takes rows of a multiple of ", kRowTilingMultiple);
+  if (weight.has_value() && weight->defined()) {
+    const Shape weight_shape = shape_of(*weight);
+    const int64_t offset = int64_t(shape.size()) - int64_t(weight_shape.size());
+    for (int64_t d = std::max<int64_t>(kept_dims, offset); d < int64_t(shape.size()); ++d) {
+      STD_TORCH_CHECK(weight_shape[d - offset] == 1, "fusedloss: weight_kept_dims needs a weight of size 1 along "
+                      "every later dimension");
+    }
+  }
+  if (rows > 0) w.ops.problem.row_length = row_length;
+  Tensor sums = empty(output_mask[2] ? kept : Shape{0}, ScalarType::Double, w.ops.input);
+  if (output_mask[2] && rows > 0 && row_length == 0) torch::stable::zero_(sums);  // no tile to sum: empty rows
+  return sums;
+}
+
 // expected_grad_output as in reduced_loss (no history slot either: that is the backward's).
 std::tuple<Tensor, Tensor, Tensor, Tensor> weighted_loss(Tensor input, Tensor target, std::optional<Tensor> weight,
                                                          std::optional<Tensor> scale, std::optional<Tensor> divisor,
                                                          double host_scale, std::string loss, double param,
                                                          std::vector<bool> output_mask, double expected_grad_output,
-                                                         bool autocast) {
+                                                         bool autocast, int64_t weight_kept_dims) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
   w.ops.problem.expected_grad_output = expected_grad_output;
@@ -83,8 +112,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> weighted_loss(Tensor input, Tensor ta
   Tensor out = empty({}, w.ops.loss_dtype, operand);
   Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.shape, operand.scalar_type(), operand);
   Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.shape, w.ops.target.scalar_type(), operand);
-  Tensor grad_weight = maybe_weight_grad_buffer(output_mask, w);
-  const int64_t partials = std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem));
+  Tensor grad_weight = weight_rows_or_grad_buffer(output_mask, weight_kept_dims, weight, w);
+  const int64_t partials =
+      std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem, grad_weight.numel() > 0));
   Tensor partial_sums = empty({partials}, ScalarType::Double, operand);
   FUSEDLOSS_CUDA_CHECK(launch_weighted_reduced_loss(w.ops.problem, static_cast<double*>(partial_sums.data_ptr()),
                                                     data_or_null(grad_input), data_or_null(grad_target),

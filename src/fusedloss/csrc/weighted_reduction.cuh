@@ -22,11 +22,13 @@ void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
   op.weights.layout = p.weight;
   op.weights.scale = p.scale;
   op.weights.grad = grad_weight;
+  op.weights.per_row = p.row_length > 0;
 }
 
 // The pass that sums each tile into `partials` and writes the gradients kGrads
 // names (and the weight's, with either), then the launch that adds the partials
-// up into `out`.
+// up into `out`; with rows and `grad_weight`, the one that adds each row's unweighted
+// partials (the second half of `partials`) into it instead.
 template <Grads kGrads>
 cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* grad_input, void* grad_target,
                                  void* grad_weight, void* out, cudaStream_t stream) {
@@ -35,19 +37,27 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
     const int64_t tiles = num_tiles<Op>(p.numel);
+    const bool per_row = p.row_length > 0;
+    static_assert(kRowTilingMultiple % kTileElements<Op> == 0, "rows of kRowTilingMultiple are whole tiles");
+    const bool row_sums = per_row && grad_weight != nullptr;
+    double* row_partials = row_sums ? partials + tiles : nullptr;
     Op op = make_op<Op>(p);
-    set_weights(op, p, grad_weight);
+    set_weights(op, p, per_row ? nullptr : grad_weight);
     op.expected_grad_output = double(static_cast<typename Op::T>(p.expected_grad_output));
     if (tiles > 0) {
       op.grad_input = static_cast<In*>(grad_input);
       op.grad_target = static_cast<Tgt*>(grad_target);
-      weighted_reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, partials);
+      weighted_reduced_loss_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel, partials, row_partials);
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
     }
     using Out = typename Op::Out;
     finish_weighted_reduction_kernel<Out><<<1, kFinishThreads, 0, stream>>>(partials, tiles, op.weights,
                                                                            static_cast<Out*>(out));
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess || !row_sums) return err;
+    finish_rows_kernel<double><<<unsigned(p.numel / p.row_length), kBlockThreads, 0, stream>>>(
+        row_partials, p.row_length / kTileElements<Op>, p.row_length, false, static_cast<double*>(grad_weight));
     return cudaGetLastError();
   });
 }
