@@ -348,8 +348,11 @@ def _reduced_loss_backward_cpu(
 
 @torch.library.impl(_lib, "per_sample_loss", "CPU")
 def _per_sample_loss_cpu(input: Tensor, target: Tensor, loss: str, param: float, kept_dims: int, reduction: str,
-                         autocast: bool = False) -> Tensor:
+                         autocast: bool = False, sum_dtype: torch.dtype | None = None) -> Tensor:
+    """`sum_dtype`: the dtype the loss is summed in (default: its own)."""
     per_element = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, "none")
+    if sum_dtype is not None:
+        per_element = per_element.to(sum_dtype)
     dims = tuple(range(kept_dims, per_element.dim()))
     if not dims:  # a sum over no dimension would be torch's sum over all of them
         return per_element
@@ -437,9 +440,7 @@ def _check_weight_kept_dims(input: Tensor, target: Tensor, weight: Tensor | None
 def loss_row_sums(input: Tensor, target: Tensor, loss: str, param: float, kept_dims: int,
                   autocast: bool = False) -> Tensor:
     """The loss summed over every dimension after the first `kept_dims`, in float64."""
-    per_element = formulas.torch_loss(*as_computed(input, target, autocast), loss, param, "none").to(torch.float64)
-    dims = tuple(range(kept_dims, per_element.dim()))
-    return per_element.sum(dims) if dims else per_element
+    return _per_sample_loss_cpu(input, target, loss, param, kept_dims, "sum", autocast, torch.float64)
 
 
 @torch.library.impl(_lib, "weighted_loss", "CPU")

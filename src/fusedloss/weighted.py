@@ -132,7 +132,8 @@ def _fused_weighted_loss(
                                                                           weight, family="weighted")
             if not mispredicted:
                 # A weight over leading dimensions gets its gradient from the loss's sums per row.
-                weight_gradient = _needs_grad(weight) and ops.weight_gradient_rows(weight, input, target) is None
+                weight_gradient = (_needs_grad(weight) and kept_dims < 0
+                                   and ops.weight_gradient_rows(weight, input, target) is None)
                 output_mask = [input.requires_grad, target.requires_grad, weight_gradient]
     if kept_dims >= 0 and _needs_grad(weight):
         output_mask = [output_mask[0], output_mask[1], True]  # the forward's sums per row
