@@ -102,6 +102,21 @@ def main() -> None:
         with torch.no_grad():
             fn(input, target, weight=weight, **kwargs)
         cases += 1
+    # A tensor param read where a weight would lie: quantiles along the last dimension
+    # against a broadcast target, a c per sample; every dtype pair, mean and sum.
+    for (in_dtype, tgt_dtype), offset in itertools.product(DTYPE_PAIRS, (0, 1)):
+        input = operand(5 * 7 * 9, in_dtype, offset).view(5, 7, 9)
+        target = operand(5 * 7 * 9, tgt_dtype, offset).view(5, 7, 9)
+        params = ((fusedloss.quantile_loss, input, target[..., :1].detach(), torch.rand(9, device="cuda")),
+                  (fusedloss.pseudo_huber_loss, input, target, torch.rand(5, 1, 1, device="cuda") + 0.1))
+        for (fn, x, y, param), reduction, fused_from in itertools.product(params, ("mean", "sum"), (0, 1 << 62)):
+            routing.FUSED_GRADIENT_FROM_BYTES = fused_from
+            for _ in range(2 if fused_from == 0 else 1):
+                (fn(x, y, param, reduction=reduction) * 0.5).backward()
+                torch.cuda.synchronize()
+            with torch.no_grad():
+                fn(x, y, param, reduction=reduction)
+        cases += 1
     # A weight of five runs, expanded first over the shortest broadcast run between spanned ones.
     for name, (fn, kwargs) in LOSSES.items():
         input, target = (operand(3 * 4 * 5 * 6 * 7, torch.float32, 1).view(3, 4, 5, 6, 7) for _ in range(2))

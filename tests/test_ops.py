@@ -58,7 +58,7 @@ def test_the_history_slot_reaches_the_backward_not_the_forward():
     torch.testing.assert_close(grad, torch.autograd.grad(torch.nn.functional.huber_loss(input, target, delta=1.5),
                                                          input)[0])
     out = ops.WeightedLoss.apply(input, target, weight, None, None, 0.5, "mse", 0.0, [True, False, False], 3, 2.0,
-                                 False, -1)
+                                 False, -1, False)
     assert out[0].grad_fn.slot == 3 and out[0].grad_fn.expected_grad_output == 2.0
     out = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, False], 0.5)
     assert out[0].grad_fn.slot == -1 and out[0].grad_fn.expected_grad_output == 0.5
@@ -187,6 +187,21 @@ def test_weighted_loss_sums_rows_for_weight_kept_dims(device, loss, kept, weight
             torch.testing.assert_close(sums, expected_sums)
         else:
             assert sums.numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape, kept", [((2, 3, 0), 2), ((2, 0, 5), 1), ((0, 2, 8192), 1), ((0, 1, 1), 0)], ids=str)
+def test_weighted_loss_sums_empty_rows_to_zero(device, shape, kept):
+    """An empty loss with weight_kept_dims: each row's sum is 0 (none where there is no
+    row), with the operands' gradients or alone, and the loss 0."""
+    input, target, name, param = _sample_args(device, "mse", shape=shape)
+    weight = torch.rand(shape[:kept] + (1,) * (len(shape) - kept), device=device)
+    for mask in ([False, False, True], [True, True, True]):
+        with torch.no_grad():
+            out, grad_input, grad_target, sums = torch.ops.fusedloss.weighted_loss(
+                input, target, weight, None, None, 0.5, name, param, mask, 1.0, False, kept)
+        assert out.item() == 0 and grad_input.numel() == 0 and grad_target.numel() == 0
+        assert sums.shape == shape[:kept] and sums.dtype == torch.float64 and not sums.any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -434,3 +449,55 @@ def test_cuda_kernels_reject_shapes_that_do_not_broadcast():
                                            "non-singleton dimension 1"):
         torch.ops.fusedloss.pointwise_loss(torch.randn(2, 3, device="cuda"), torch.randn(2, 4, device="cuda"),
                                            "mse", 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("loss", [name for name, row in losses.LOSSES.items() if row.takes_param_tensor])
+@pytest.mark.parametrize("param_shape", [(), (5, 1), (1, 7), (5, 7)], ids=str)
+def test_weighted_loss_takes_a_param_per_element(device, loss, param_shape):
+    """param_per_element: the weight holds each element's param and multiplies nothing. The
+    loss and its gradients are those of the formula with those params, through opcheck, as
+    the forward writes them and as backward computes them."""
+    input, target, name, number = _sample_args(device, loss)  # the number: unused, but checked
+    param = torch.rand(param_shape, device=device) * 0.9 + 0.05
+    x64, t64 = input.detach().double().requires_grad_(), target.detach().double().requires_grad_()
+    expected = losses.LOSSES[loss].reference(x64, t64, "none", param.double()).sum() * 0.5
+    want = torch.autograd.grad(expected, (x64, t64), torch.tensor(0.37, dtype=torch.float64))
+    for mask in ([True, True, False], [True, False, False], [False, False, False]):
+        # (backward corrects the forward's gradients in place for a grad_output not expected)
+        torch.library.opcheck(torch.ops.fusedloss.weighted_loss,
+                              (input, target, param, None, None, 0.5, name, number, mask, 1.0, False, -1, True))
+        with torch.no_grad():
+            out, grad_input, grad_target, grad_param = torch.ops.fusedloss.weighted_loss(
+                input, target, param, None, None, 0.5, name, number, mask, 0.37, False, -1, True)
+        torch.testing.assert_close(out.double(), expected.detach())
+        assert grad_param.numel() == 0
+        for written, wanted, gradient in zip(mask, want, (grad_input, grad_target)):
+            if written:
+                torch.testing.assert_close(gradient.double(), wanted)
+    gradients = torch.ops.fusedloss.weighted_loss_backward(torch.tensor(0.37, device=device), input.detach(),
+                                                           target.detach(), param, None, None, 0.5, name, number,
+                                                           [True, True, False], -1, 1.0, False, True)
+    for gradient, wanted in zip(gradients, want):
+        torch.testing.assert_close(gradient.double(), wanted)
+    torch.library.opcheck(torch.ops.fusedloss.weighted_loss_backward,
+                          (torch.tensor(0.37, device=device), input.detach(), target.detach(), param, None, None,
+                           0.5, name, number, [True, False, False], -1, 1.0, False, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weighted_loss_refuses_a_param_per_element_it_cannot_take(device):
+    """A loss whose param is a number only, no param, the param's gradient, and rows."""
+    input, target, _, _ = _sample_args(device, "quantile", shape=(2, ops.ROW_TILING_MULTIPLE))
+    param = torch.rand(2, 1, device=device)
+    for args in (("mse", param, [True, False, False], -1), ("smooth_l1", param, [True, False, False], -1),
+                 ("quantile", None, [True, False, False], -1), ("quantile", param, [True, False, True], -1),
+                 ("quantile", param, [False, False, False], 1)):
+        loss, weight, mask, kept = args
+        with pytest.raises(RuntimeError, match="param_per_element|param per element|invalid argument"):
+            torch.ops.fusedloss.weighted_loss(input, target, weight, None, None, 1.0, loss, 0.5, mask, 1.0, False,
+                                              kept, True)
+    out = torch.ops.fusedloss.weighted_loss(input, target, param.requires_grad_(), None, None, 1.0, "quantile", 0.0,
+                                            [False, False, False], 1.0, False, -1, True)[0]
+    with pytest.raises(RuntimeError, match="no gradient for a param per element"):
+        torch.autograd.grad(out, param)

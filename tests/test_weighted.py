@@ -359,6 +359,58 @@ def test_weight_over_leading_dims_takes_the_forwards_row_sums(device, monkeypatc
     assert not any(op.startswith("fusedloss.per_sample_loss") for op in recorder.ops), recorder.ops
 
 
+PARAM_TENSOR_LOSSES = [name for name in LOSSES if losses.LOSSES[name].takes_param_tensor]
+
+
+def _param_tensor(name, shape, device):
+    """Quantiles along the last dimension, or a c per sample."""
+    if losses.LOSSES[name].param_zero_valid:
+        return torch.rand(shape[-1:], device=device) * 0.96 + 0.02
+    return torch.rand((shape[0],) + (1,) * (len(shape) - 1), device=device) + 0.25
+
+
+@pytest.mark.parametrize("forward_writes", [False, True], ids=["backward-computes", "forward-writes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", PARAM_TENSOR_LOSSES)
+def test_a_param_tensor_is_read_where_a_weight_lies(device, monkeypatch, name, reduction, dtype, forward_writes):
+    """A tensor param (several quantiles, a c per sample): a mean or sum is the weighted
+    operator's one pass, with the param read where a weight would lie, and no torch
+    operation over the loss's elements. Values and the operands' gradients against float64
+    at grad_outputs 1, 2^16 (1000 for fp16) and 0.37 (the forward's expected one, and then
+    not), a scale too, and the same bits on every run."""
+    if device == "cpu" and not routing.kernels_apply(torch.ones(1), torch.ones(1)):
+        pytest.skip("fusedloss's plain CPU path: torch operations by design")
+    if dtype in (torch.float16, torch.bfloat16) and device != "cuda":
+        pytest.skip("16-bit operands: the CUDA kernels")
+    if forward_writes:
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)
+    shape = (6, 5, 7, 9)
+    input, target = operands(shape, device, dtype, clamp=30.0)
+    param = _param_tensor(name, shape, device)
+    for scale in (None, 0.75):
+        x64, t64 = _as64(input), _as64(target)
+        expected = reference64(name, x64, t64, reduction, param=param, scale=scale)
+        for grad_output in (1.0, 1000.0 if dtype == torch.float16 else 2.0 ** 16, 0.37):  # fp16 ends at 65504
+            runs = []
+            for _ in range(3):  # the first forward expects the last grad_output; later ones this one
+                with _RecordOps() as recorder:
+                    out = weighted_loss(name, input, target, reduction, scale=scale, param=param)
+                assert any(op.startswith("fusedloss.weighted_loss") for op in recorder.ops), recorder.ops
+                assert not any(op.split(".")[1] in ("sub", "maximum", "hypot") for op in recorder.ops), recorder.ops
+                go = torch.tensor(grad_output, dtype=out.dtype, device=out.device)
+                runs.append((out, *torch.autograd.grad(out, (input, target), go)))
+            for run in runs[1:]:
+                for got, first in zip(run, runs[0]):
+                    assert torch.equal(got, first), (name, reduction, dtype, scale, grad_output)
+            out, grad_input, grad_target = runs[0]
+            assert out.dtype == dtype
+            assert_close64(out, expected, dtype, msg="value")
+            want_input, want_target = torch.autograd.grad(expected, (x64, t64), go.double(), retain_graph=True)
+            assert_gradient_close64(grad_input, want_input, dtype, msg="input's gradient")
+            assert_gradient_close64(grad_target, want_target, dtype, msg="target's gradient")
+
+
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_weighted_call_runs_a_fusedloss_operator(device, name, reduction):

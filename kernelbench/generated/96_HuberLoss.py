@@ -74,6 +74,7 @@ struct LossProblem {
   double expected_grad_output = 1.0;
   ElementWeight weight;
   DeviceScale scale;
+  bool param_per_element = false;
   int64_t row_length = 0;
 };
 
@@ -211,6 +212,7 @@ struct LossProblem {
   double expected_grad_output = 1.0;
   ElementWeight weight;
   DeviceScale scale;
+  bool param_per_element = false;
   int64_t row_length = 0;
 };
 
@@ -364,8 +366,12 @@ struct Unweighted {
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
-  template <int W, typename T>
+  template <class Loss, int W, typename T>
   __device__ __forceinline__ static T summand(const Values<W, T>&, int, T x) { return x; }
+  template <class Loss, int W, typename T, class Params>
+  __device__ __forceinline__ static const Params& params(const Values<W, T>&, int, const Params& own) { return own; }
+  template <class Loss, int W, typename T>
+  __device__ __forceinline__ static T gradient_factor(const Values<W, T>&, int, T x) { return x; }
   template <int W, typename T>
   __device__ __forceinline__ static void note_row_weight(const Values<W, T>&) {}
   template <typename T>
@@ -401,6 +407,11 @@ struct PairOp {
   LossParam<T> input_grad_param;
   LossParam<T> target_grad_param;
 
+  struct Params {
+    LossParam<T> loss, input_grad, target_grad;
+  };
+  __device__ __forceinline__ Params params() const { return Params{param, input_grad_param, target_grad_param}; }
+
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
   using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
 
@@ -416,24 +427,31 @@ struct PairOp {
   __device__ __forceinline__ static T diff_in(const In& x, const Tgt& y) {
     return fp16_intermediate<D>(in_dtype<D>(x) - in_dtype<D>(y));
   }
-  __device__ __forceinline__ T value(const In& x, const Tgt& y) const {
-    return Loss::template value<Out>(diff_in<Out>(x, y), param);
+  __device__ __forceinline__ T value(const In& x, const Tgt& y, const Params& p) const {
+    return Loss::template value<Out>(diff_in<Out>(x, y), p.loss);
   }
-  __device__ __forceinline__ T input_grad(const In& x, const Tgt& y) const {
-    return Loss::grad(diff_in<InputGradDtype>(x, y), input_grad_param);
+  __device__ __forceinline__ T value(const In& x, const Tgt& y) const { return value(x, y, params()); }
+  __device__ __forceinline__ T input_grad(const In& x, const Tgt& y, const Params& p) const {
+    return Loss::grad(diff_in<InputGradDtype>(x, y), p.input_grad);
   }
-  __device__ __forceinline__ T target_grad(const In& x, const Tgt& y) const {
+  __device__ __forceinline__ T target_grad(const In& x, const Tgt& y, const Params& p) const {
     if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
-      return -input_grad(x, y);
+      return -input_grad(x, y, p);
     } else {
-      return -Loss::grad(diff_in<TargetGradDtype>(x, y), target_grad_param);
+      return -Loss::grad(diff_in<TargetGradDtype>(x, y), p.target_grad);
     }
   }
+  __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor, const Params& p) const {
+    return Convert<In>::from(input_grad(x, y, p) * factor);
+  }
   __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor) const {
-    return Convert<In>::from(input_grad(x, y) * factor);
+    return rounded_input_grad(x, y, factor, params());
+  }
+  __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor, const Params& p) const {
+    return Convert<Tgt>::from(target_grad(x, y, p) * factor);
   }
   __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor) const {
-    return Convert<Tgt>::from(target_grad(x, y) * factor);
+    return rounded_target_grad(x, y, factor, params());
   }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
@@ -480,11 +498,14 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     weights.note_row_weight(c.weight);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const T value = this->value(c.input[k], c.target[k]);
-      chunk_sum += weights.summand(c.weight, k, value);
-      const T factor = Weights::times(c.weight, k, grad_scale);
-      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
-      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
+      const auto params = weights.template params<Loss>(c.weight, k, this->params());
+      const T value = this->value(c.input[k], c.target[k], params);
+      chunk_sum += weights.template summand<Loss>(c.weight, k, value);
+      const T factor = weights.template gradient_factor<Loss>(c.weight, k, grad_scale);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor, params);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
+        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor, params);
+      }
       if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(value * grad_scale);
     }
     sum += double(chunk_sum);

@@ -34,9 +34,11 @@ Weights and scale (every loss):
 - A weight that requires grad gets its gradient from the fused pass as well,
   written per element of the loss beside the operands' gradients and summed to
   the weight's shape (a weighted mean's divisor adds its part). A scale that
-  requires grad, ``reduction='none'`` with a weight or scale, and a tensor
-  param (pseudo-Huber's ``c``, several quantiles) are computed with torch
-  operations around the fused unweighted loss.
+  requires grad, and ``reduction='none'`` with a weight or scale, are computed
+  with torch operations around the fused unweighted loss.
+- A tensor param (pseudo-Huber's ``c``, several quantiles) is read where it lies
+  by the weighted kernels, one per element, for a mean or sum without a weight
+  when it takes no gradient; otherwise torch operations compute the loss.
 
 Per-sample losses (every loss): ``dim`` (an int or a sequence of them) reduces
 over those dimensions only, as ``torch.mean`` and ``torch.sum`` do, and
@@ -154,7 +156,8 @@ def pseudo_huber_loss(
     near 0, about 2c|d| far from it. fusedloss's own loss, not PyTorch's Huber.
 
     ``c`` is a float > 0 (fused; ValueError otherwise) or a tensor that broadcasts to the
-    loss's shape, such as a per-sample c (computed with torch operations). A tensor's
+    loss's shape, such as a per-sample c (a mean or sum fused, c read where it lies, when
+    c takes no gradient and no weight is given; torch operations otherwise). A tensor's
     elements that are not > 0 give NaN losses (checking them on the host would wait for
     the GPU). The result has the operands' promoted dtype (float32 under CUDA autocast).
     ``weight`` and ``scale`` as in this module's docstring; a weighted mean divides by the
@@ -200,11 +203,13 @@ def quantile_loss(
     prediction p = input and target t: the training loss of quantile regression and
     probabilistic forecasting. fusedloss's own loss (PyTorch has none).
 
-    ``quantiles`` is one q in [0, 1] (fused), or a sequence or tensor of them that
-    broadcasts along ``input``'s last dimension: an input of shape (..., Q) with Q
-    quantiles, and a target of shape (..., 1) (``target[..., None]``), which broadcasts to
-    it. A sequence's values outside [0, 1] raise a ValueError; a tensor's give NaN losses
-    (checking them on the host would wait for the GPU). The gradient is autograd's of
+    ``quantiles`` is one q in [0, 1], or a sequence or tensor of them that broadcasts
+    along ``input``'s last dimension: an input of shape (..., Q) with Q quantiles, and a
+    target of shape (..., 1) (``target[..., None]``), which broadcasts to it. A mean or sum
+    is fused (a tensor read where it lies) unless the quantiles take a gradient or a weight
+    is given; those, and ``'none'``, compute with torch operations. A sequence's values
+    outside [0, 1] raise a ValueError; a tensor's give NaN losses (checking them on the
+    host would wait for the GPU). The gradient is autograd's of
     ``torch.maximum`` in that formula: at p == t the mean of the two slopes, 1/2 - q. The
     mean is over every element, quantiles included. The result has the operands' promoted
     dtype (float32 under CUDA autocast). ``weight``, ``scale`` and ``dim`` as in this
@@ -287,8 +292,8 @@ def _loss(
         _check_reduction(reduction)
     if row.param is None:
         param = 0.0
-    elif isinstance(param, Tensor) and not row.pytorch:
-        param = _nan_where_invalid(row, param)
+    elif isinstance(param, Tensor) and row.takes_param_tensor:
+        pass  # its elements' domain is checked where they are read (_with_tensor_param)
     elif not (type(param) is float and 0 < param <= row.param_max):  # the usual case, before the costlier ABCs
         if not isinstance(param, numbers.Real) or (isinstance(param, bool) and not row.pytorch):
             if row.pytorch and not weighted_call:
@@ -350,11 +355,20 @@ def _sharded(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tens
 
 def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, reduction: str, param: Tensor,
                        weight: Tensor | None, scale: float | Tensor | None) -> Tensor:
-    """A loss whose param is a tensor (pseudo-Huber's c, quantiles): torch operations, as the
-    kernels take the param as a number."""
+    """A loss whose param is a tensor (pseudo-Huber's c, quantiles): a mean or sum in one fused
+    pass where the kernels apply (``weighted.fused_param_tensor_loss``), else torch operations."""
+    if weight is None and not _holds_a_dtensor(input, target) and (
+            out := weighted.fused_param_tensor_loss(name, input, target, param, reduction, scale)) is not None:
+        return out  # the kernels make an element outside the param's domain NaN
+    return _tensor_param_formula(row, name, input, target, reduction, _nan_where_invalid(row, param), weight, scale)
+
+
+def _tensor_param_formula(row: Loss, name: str, input: Tensor, target: Tensor, reduction: str, param: Tensor,
+                          weight: Tensor | None, scale: float | Tensor | None) -> Tensor:
+    """A loss whose param is a tensor, with torch operations."""
     if weight is not None or scale is not None:
         return weighted.weighted_loss(name, 0.0, input, target, None, None, reduction, weight, scale,
-                                      lambda i, t, r: _with_tensor_param(row, name, i, t, r, param, None, None),
+                                      lambda i, t, r: _tensor_param_formula(row, name, i, t, r, param, None, None),
                                       fusable=False)
     routing.warn_if_target_broadcasts(input, target, row)
     param = reductions.beside(param, input)  # a DTensor's quantiles or c: replicated beside it

@@ -57,6 +57,12 @@ class Loss:
         """torch.nn.functional's function for this loss, where PyTorch has it."""
         return getattr(F, self.function) if self.pytorch else None
 
+    @property
+    def takes_param_tensor(self) -> bool:
+        """Whether the param may be a tensor, one per element (fusedloss's own losses; the
+        kernels' TakesParamPerElement)."""
+        return self.param is not None and not self.pytorch
+
     def param_valid(self, value: float | Tensor) -> bool | Tensor:
         """Whether the param lies in its domain (NaN does not); elementwise for a tensor."""
         low = value >= 0 if self.param_zero_is is not None or self.param_zero_valid else value > 0
@@ -155,12 +161,14 @@ def quantile_elementwise(input: Tensor, target: Tensor, q: float | Tensor) -> Te
     return torch.maximum((q - 1) * x, q * x).to(e.dtype)
 
 
-def quantile_gradient(d: Tensor, q: float) -> Tensor:
+def quantile_gradient(d: Tensor, q: float | Tensor) -> Tensor:
     """d loss / d input as autograd differentiates torch.maximum((q - 1) e, q e) of e = -d:
     1 - q where the first branch is larger, -q where the second is, the mean 1/2 - q at a
     tie, and both slopes, 1 - 2q, where they do not compare (NaN, 0 * inf)."""
+    if isinstance(q, Tensor):
+        q = q.to(d.dtype)
     above, below = (1 - q) * d, q * -d
-    tie_or_nan = torch.where(above == below, 0.5 - q, torch.full_like(d, 1 - 2 * q))
+    tie_or_nan = torch.where(above == below, 0.5 - q, torch.zeros_like(d) + (1 - 2 * q))
     return torch.where(above > below, 1 - q, torch.where(above < below, -q, tie_or_nan))
 
 

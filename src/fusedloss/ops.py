@@ -53,7 +53,10 @@ broadcast shape and autograd sums them to each operand's own shape.
   within rows, and that output is instead the loss's sum over each row (float64, the kept
   dimensions' shape, in any pass), from which backward gives the weight's
   gradient. ``scale`` takes no gradient (``weighted`` computes that case with
-  torch operations).
+  torch operations). With ``param_per_element``, ``weight`` is instead each element's
+  param (quantiles, pseudo-Huber's ``c``: the losses whose param may be a tensor),
+  read where it lies and multiplying nothing; it takes no gradient and no
+  ``weight_kept_dims``.
 - ``weighted_loss_gradients``: weighted_loss's gradients as a composite of
   torch operations, for ``create_graph=True`` and for a weight's gradient
   wanted alone.
@@ -77,6 +80,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import build, formulas
+from .losses import LOSSES
 
 _lib = torch.library.Library("fusedloss", "DEF")
 _lib.define("pointwise_loss(Tensor input, Tensor target, str loss, float param, bool autocast=False) -> Tensor")
@@ -105,22 +109,23 @@ _lib.define(
 _lib.define(
     "weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, float host_scale, "
     "str loss, float param, bool[3] output_mask, float expected_grad_output=1.0, bool autocast=False, "
-    "int weight_kept_dims=-1) -> (Tensor, Tensor, Tensor, Tensor)"
+    "int weight_kept_dims=-1, bool param_per_element=False) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
     "Tensor? divisor, float host_scale, str loss, float param, bool[3] output_mask, int history_slot=-1, "
-    "float expected_grad_output=1.0, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+    "float expected_grad_output=1.0, bool autocast=False, bool param_per_element=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "weighted_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_weight, "
     "Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, "
     "float host_scale, str loss, float param, float expected_grad_output, int history_slot=-1, "
-    "bool autocast=False) -> ()"
+    "bool autocast=False, bool param_per_element=False) -> ()"
 )
 _lib.define(
     "weighted_loss_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, Tensor? scale, "
-    "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False) -> (Tensor, Tensor, Tensor)"
+    "Tensor? divisor, float host_scale, str loss, float param, bool autocast=False, "
+    "bool param_per_element=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "pointwise_loss_backward_broadcast(Tensor grad_output, Tensor input, Tensor target, str loss, float param, "
@@ -259,7 +264,7 @@ def _row_sums_buffer(wanted: bool, input: Tensor, target: Tensor, kept_dims: int
 def _weighted_loss_fake(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
-    autocast: bool = False, weight_kept_dims: int = -1,
+    autocast: bool = False, weight_kept_dims: int = -1, param_per_element: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "weighted")
     out = input.new_empty((), dtype=_loss_dtype(input, target, loss, autocast))
@@ -274,6 +279,7 @@ def _weighted_loss_backward_fake(
     grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
     history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
+    param_per_element: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "weighted")
     return _weighted_grad_buffers(input, target, loss, output_mask, autocast)
@@ -284,6 +290,7 @@ def _weighted_loss_backward_in_place_fake(
     grad_input: Tensor, grad_target: Tensor, grad_weight: Tensor, grad_output: Tensor, input: Tensor,
     target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None, host_scale: float,
     loss: str, param: float, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
+    param_per_element: bool = False,
 ) -> None:
     _load_kernels_for(input.device, "weighted")
 
@@ -391,13 +398,18 @@ def weighted_factor(scale: Tensor | None, divisor: Tensor | None, host_scale: fl
 def weighted_gradients(
     grad_output: Tensor | float, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, autocast: bool = False,
+    param_per_element: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """d loss / d input, d loss / d target and d loss / d weight (per element, for a fixed
     divisor) of weighted_loss times grad_output, in the broadcast shape, with torch
-    operations (differentiable: create_graph=True). The weight's is empty without a weight."""
+    operations (differentiable: create_graph=True). The weight's is empty without a weight,
+    and where the weight is the param."""
     operands = as_computed(input, target, autocast)
     factor = weighted_factor(scale, divisor, host_scale) * torch.as_tensor(grad_output, dtype=torch.float64)
-    per_element = factor if weight is None else weight.to(torch.float64) * factor
+    if param_per_element:
+        param, weight, per_element = _element_params(loss, weight).to(torch.float64), None, factor
+    else:
+        per_element = factor if weight is None else weight.to(torch.float64) * factor
     # Every factor applied before the one rounding into each gradient's dtype.
     grad = formulas.loss_grad(*operands, loss, param, per_element)
     loss_dtype = _loss_dtype(input, target, loss, autocast)
@@ -410,13 +422,35 @@ def weighted_gradients(
 
 
 def _weighted_sum(input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
-                  divisor: Tensor | None, host_scale: float, loss: str, param: float, autocast: bool) -> Tensor:
+                  divisor: Tensor | None, host_scale: float, loss: str, param: float, autocast: bool,
+                  param_per_element: bool) -> Tensor:
     operands = as_computed(input, target, autocast)
+    if param_per_element:
+        param, weight = _element_params(loss, weight), None
     per_element = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
     if weight is not None:
         per_element = per_element * weight.to(torch.float64)
     return (per_element.sum() * weighted_factor(scale, divisor, host_scale)).to(_loss_dtype(input, target, loss,
                                                                                              autocast))
+
+
+def _element_params(loss: str, weight: Tensor) -> Tensor:
+    """A param per element as the kernels read it: NaN outside the loss's domain."""
+    params = weight if weight.is_floating_point() else weight.to(torch.get_default_dtype())
+    return torch.where(LOSSES[loss].param_valid(params), params, math.nan)
+
+
+def _check_param_per_element(param_per_element: bool, loss: str, weight: Tensor | None,
+                             output_mask: Sequence[bool], weight_kept_dims: int = -1) -> None:
+    """As the CUDA operator checks param_per_element: a param tensor for a loss whose param
+    may be one, which takes no gradient and no weight_kept_dims."""
+    if not param_per_element:
+        return
+    if weight is None or not LOSSES[loss].takes_param_tensor:
+        raise RuntimeError(f"fusedloss: param_per_element needs a weight and a loss whose param may be a tensor, "
+                           f"not {loss}")
+    if output_mask[2] or weight_kept_dims >= 0:
+        raise RuntimeError("fusedloss: a param per element takes no gradient and no weight_kept_dims")
 
 
 def _masked(gradients: tuple[Tensor, Tensor, Tensor], output_mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
@@ -447,16 +481,17 @@ def loss_row_sums(input: Tensor, target: Tensor, loss: str, param: float, kept_d
 def _weighted_loss_cpu(
     input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None,
     host_scale: float, loss: str, param: float, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
-    autocast: bool = False, weight_kept_dims: int = -1,
+    autocast: bool = False, weight_kept_dims: int = -1, param_per_element: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_param_per_element(param_per_element, loss, weight, output_mask, weight_kept_dims)
     row_sums = weight_kept_dims >= 0
     if row_sums:
         _check_weight_kept_dims(input, target, weight, weight_kept_dims)
     operand_mask = [*output_mask[:2], output_mask[2] and not row_sums]
     _check_weighted_mask(operand_mask)
-    out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast)
+    out = _weighted_sum(input, target, weight, scale, divisor, host_scale, loss, param, autocast, param_per_element)
     gradients = weighted_gradients(expected_grad_output, input, target, weight, scale, divisor, host_scale, loss,
-                                   param, autocast)
+                                   param, autocast, param_per_element)
     grad_input, grad_target, grad_weight = _masked(gradients, operand_mask)
     if row_sums:
         grad_weight = (loss_row_sums(input, target, loss, param, weight_kept_dims, autocast) if output_mask[2]
@@ -469,10 +504,12 @@ def _weighted_loss_backward_cpu(
     grad_output: Tensor, input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
     divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: Sequence[bool],
     history_slot: int = -1, expected_grad_output: float = 1.0, autocast: bool = False,
+    param_per_element: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_param_per_element(param_per_element, loss, weight, output_mask)
     _check_weighted_mask(output_mask)
     gradients = weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale, loss, param,
-                                   autocast)
+                                   autocast, param_per_element)
     return _masked(gradients, output_mask)
 
 
@@ -481,10 +518,12 @@ def _weighted_loss_backward_in_place_cpu(
     grad_input: Tensor, grad_target: Tensor, grad_weight: Tensor, grad_output: Tensor, input: Tensor,
     target: Tensor, weight: Tensor | None, scale: Tensor | None, divisor: Tensor | None, host_scale: float,
     loss: str, param: float, expected_grad_output: float, history_slot: int = -1, autocast: bool = False,
+    param_per_element: bool = False,
 ) -> None:
+    _check_param_per_element(param_per_element, loss, weight, [False, False, grad_weight.numel() > 0])
     _overwrite((grad_input, grad_target, grad_weight),
                weighted_gradients(grad_output, input, target, weight, scale, divisor, host_scale, loss, param,
-                                  autocast))
+                                  autocast, param_per_element))
 
 
 # ---- autograd ------------------------------------------------------------------
@@ -663,7 +702,7 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
 def _weighted_setup_context(ctx, inputs, output) -> None:
     # inputs: the Function's (_function), with the backward's history slot after output_mask.
     (input, target, weight, scale, divisor, host_scale, loss, param, output_mask, ctx.slot, ctx.expected_grad_output,
-     autocast, kept_dims) = inputs
+     autocast, kept_dims, ctx.param_per_element) = inputs
     ctx.arguments = (host_scale, loss, param, autocast)
     # With kept_dims, the weight's gradient output holds each row's loss sum instead (weight_kept_dims).
     row_sums = kept_dims >= 0 and output_mask[2]
@@ -688,8 +727,11 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     if ctx.needs_input_grad[3]:
         raise RuntimeError("fusedloss::weighted_loss has no gradient for scale; fusedloss's loss functions "
                            "compute it with torch operations")
+    if ctx.needs_input_grad[2] and ctx.param_per_element:
+        raise RuntimeError("fusedloss::weighted_loss has no gradient for a param per element; fusedloss's loss "
+                           "functions compute it with torch operations")
     if grad is None:
-        return (None,) * 13
+        return (None,) * 14
     input, target, weight, scale, divisor, out = ctx.saved_tensors
     host_scale, loss, param, autocast = ctx.arguments
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
@@ -698,7 +740,7 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     kernel_needs = [needs[0], needs[1], needs[2] and rows is None]
     if torch.is_grad_enabled() or (kernel_needs[2] and not (needs[0] or needs[1])):
         gradients = torch.ops.fusedloss.weighted_loss_gradients.default(
-            grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast)
+            grad, input, target, weight, scale, divisor, host_scale, loss, param, autocast, ctx.param_per_element)
         rows = None
     elif not (needs[0] or needs[1]):
         gradients = (None, None, None)
@@ -706,12 +748,12 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
         with torch._C._AutoDispatchBelowAutograd():
             torch.ops.fusedloss.weighted_loss_backward_.default(*gradients, grad, input, target, weight, scale, divisor,
                                                         host_scale, loss, param, ctx.expected_grad_output, ctx.slot,
-                                                        autocast)
+                                                        autocast, ctx.param_per_element)
     else:
         with torch._C._AutoDispatchBelowAutograd():
             gradients = torch.ops.fusedloss.weighted_loss_backward.default(
                 grad, input, target, weight, scale, divisor, host_scale, loss, param, kernel_needs, ctx.slot,
-                ctx.expected_grad_output, autocast)
+                ctx.expected_grad_output, autocast, ctx.param_per_element)
     grad_input, grad_target, grad_weight = gradients
     if needs[2]:
         grad_weight = (_sum_to(grad_weight, weight) if rows is None else
@@ -722,7 +764,7 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     if ctx.needs_input_grad[4]:
         grad_divisor = -(grad.to(divisor.dtype) * out.to(divisor.dtype)) / divisor
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            grad_weight if needs[2] else None, None, grad_divisor, *(None,) * 8)
+            grad_weight if needs[2] else None, None, grad_divisor, *(None,) * 9)
 
 
 def _weight_gradient_by_rows(grad: Tensor, input: Tensor, target: Tensor, weight: Tensor, scale: Tensor | None,

@@ -139,16 +139,16 @@ def _per_sample_loss(input, target, loss, param, kept_dims, reduction, autocast=
 
 @_rule(_OPS.weighted_loss.default)
 def _weighted_loss(input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
-                   expected_grad_output=1.0, autocast=False, weight_kept_dims=-1):
+                   expected_grad_output=1.0, autocast=False, weight_kept_dims=-1, param_per_element=False):
     # Sums per row (weight_kept_dims) are taken of replicated operands only.
-    return _strategies([input, target, weight, scale, divisor] + [None] * 7, _shape(input, target),
+    return _strategies([input, target, weight, scale, divisor] + [None] * 8, _shape(input, target),
                        ["sum", *_gradients(output_mask)], sharded=weight_kept_dims < 0)
 
 
 @_rule(_OPS.weighted_loss_backward.default)
 def _weighted_loss_backward(grad_output, input, target, weight, scale, divisor, host_scale, loss, param, output_mask,
-                            history_slot=-1, expected_grad_output=1.0, autocast=False):
-    return _strategies([grad_output, input, target, weight, scale, divisor] + [None] * 7, _shape(input, target),
+                            history_slot=-1, expected_grad_output=1.0, autocast=False, param_per_element=False):
+    return _strategies([grad_output, input, target, weight, scale, divisor] + [None] * 8, _shape(input, target),
                        _gradients(output_mask))
 
 
@@ -250,5 +250,5 @@ def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduc
         host_scale *= scale
     out = ops.WeightedLoss.apply(input, target, weight, None if scale_needs_grad or not isinstance(scale, Tensor)
                                  else scale, divisor, host_scale, loss, param, [False, False, False], -1, 1.0,
-                                 autocast, -1)[0]
+                                 autocast, -1, False)[0]
     return out * scale if scale_needs_grad else out

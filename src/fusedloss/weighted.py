@@ -107,11 +107,8 @@ def _fused_weighted_loss(
     if weight is not None and weight.is_floating_point():
         result_dtype = torch.promote_types(loss_dtype, weight.dtype)
     float32_math = autocast or (result_dtype == torch.float32 and loss_dtype in routing.SIXTEEN_BIT)
-    device_scale, divisor, host_scale = None, None, 1.0
-    if isinstance(scale, Tensor) and scale.device == input.device:
-        device_scale = scale
-    elif scale is not None:
-        host_scale = float(scale)  # a number, or a CPU tensor: no device to wait for
+    divisor = None
+    device_scale, host_scale = _device_and_host_scale(scale, input.device)
     if reduction == "mean":
         if weight is None or LOSSES[loss].weighted_mean_over_count:
             host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
@@ -139,7 +136,52 @@ def _fused_weighted_loss(
         output_mask = [output_mask[0], output_mask[1], True]  # the forward's sums per row
     return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight,
                          device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math,
-                         kept_dims)[0]
+                         kept_dims, False)[0]
+
+
+def _device_and_host_scale(scale: float | Tensor | None, device: torch.device) -> tuple[Tensor | None, float]:
+    """The scale as the kernels take it: a tensor on the loss's device, read there, or a
+    number (a CPU tensor's value: no device to wait for)."""
+    if isinstance(scale, Tensor) and scale.device == device:
+        return scale, 1.0
+    return None, 1.0 if scale is None else float(scale)
+
+
+def fused_param_tensor_loss(loss: str, input: Tensor, target: Tensor, param: Tensor, reduction: str,
+                            scale: float | Tensor | None) -> Tensor | None:
+    """A mean or sum of a loss whose param is a tensor (quantiles along the last dimension,
+    pseudo-Huber's c per sample), in one fused pass: the weighted kernels read the param
+    where a weight would lie, and multiply by nothing. None where they do not apply: a param
+    that wants a gradient, widens the loss's shape or its math (float64 with narrower
+    operands), or lies elsewhere; then torch operations compute it."""
+    if reduction == "none" or not routing.kernels_apply(input, target):
+        return None
+    reductions.check_scale(scale)
+    shape = input.shape if target.shape == input.shape else torch.broadcast_shapes(input.shape, target.shape)
+    if (not isinstance(param, Tensor) or _needs_grad(param) or param.dim() > len(shape)
+            or any(p not in (1, s) for p, s in zip(reversed(param.shape), reversed(shape)))):
+        return None
+    autocast = routing.under_autocast(input, target)
+    loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
+    if not _fused_weighted_applies(input, target, param, scale, loss_dtype):
+        return None
+    routing.warn_if_target_broadcasts(input, target, LOSSES[loss])
+    device_scale, host_scale = _device_and_host_scale(scale, input.device)
+    numel = shape.numel()
+    if reduction == "mean":
+        host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
+    output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
+    if ((input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
+            and routing.forward_writes_gradients(input, target, numel)):
+        # -1: no number param of these losses, so a slot of its own
+        slot, expected, mispredicted = grad_output_prediction.predict(loss, -1.0, reduction, input, target, param,
+                                                                      family="weighted")
+        if not mispredicted:
+            output_mask = [input.requires_grad, target.requires_grad, False]
+    # the number param is unused; its default passes the operator's check of it
+    return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target), input, target, param, device_scale,
+                         None, host_scale, loss, LOSSES[loss].param_default, output_mask, slot, expected, autocast, -1,
+                         True)[0]
 
 
 def _torch_weighted(row: Loss) -> Callable[..., Tensor] | None:

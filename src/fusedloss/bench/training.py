@@ -355,7 +355,7 @@ def other_loss_rows() -> list[dict]:
     small = other_losses.quantile_cases() + other_losses.elementwise_cases(2**20, torch.float32)
     small += other_losses.tensor_param_cases()
     rows = [case_row(case, wall=True) for case in progress(small, len(small), "small steps")]
-    large = [other_losses.per_sample_case()]
+    large = [other_losses.per_sample_case()] + other_losses.quantile_cases(shapes=((8192, 720),))
     large += other_losses.elementwise_cases(2**26, torch.float32) + other_losses.elementwise_cases(2**28, torch.bfloat16)
     rows += [case_row(case) for case in progress(large, len(large), "large steps")]
     return rows

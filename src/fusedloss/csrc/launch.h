@@ -99,6 +99,9 @@ struct LossProblem {
   // The weighted reductions' only (launch_weighted_reduced_loss*).
   ElementWeight weight;
   DeviceScale scale;
+  // `weight` holds each element's param, which replaces `param`, and multiplies nothing:
+  // a loss that TakesParamPerElement (losses.cuh) only, with no weight gradient and no rows.
+  bool param_per_element = false;
   // > 0: the weight is constant along rows of this many elements, a multiple of
   // kRowTilingMultiple (a weight per sample or per channel), and the forward reduction
   // may sum the loss of each row (launch_weighted_reduced_loss).

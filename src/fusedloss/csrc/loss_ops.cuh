@@ -54,8 +54,12 @@ struct Unweighted {
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
-  template <int W, typename T>
+  template <class Loss, int W, typename T>
   __device__ __forceinline__ static T summand(const Values<W, T>&, int, T x) { return x; }
+  template <class Loss, int W, typename T, class Params>
+  __device__ __forceinline__ static const Params& params(const Values<W, T>&, int, const Params& own) { return own; }
+  template <class Loss, int W, typename T>
+  __device__ __forceinline__ static T gradient_factor(const Values<W, T>&, int, T x) { return x; }
   template <int W, typename T>
   __device__ __forceinline__ static void note_row_weight(const Values<W, T>&) {}
   // The gradients' factor: the reduction's (1/N or 1) times grad_output, rounded once.
@@ -103,6 +107,17 @@ struct Weighted {
   // reduction's tiles sum the loss unweighted, and each tile's sum is multiplied by its
   // row's weight (weighted_reduced_loss_kernel).
   bool per_row = false;
+  // `weight` holds each element's param instead (LossProblem::param_per_element).
+  bool param_per_element = false;
+
+  template <class Loss>
+  __device__ __forceinline__ bool params_from_weight() const {
+    if constexpr (TakesParamPerElement<Loss>::value) {
+      return param_per_element;
+    } else {
+      return false;
+    }
+  }
 
   __device__ __forceinline__ double factor() const {
     double f = scale.host;
@@ -189,8 +204,31 @@ struct Weighted {
   template <int W, typename V>
   __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
   // What element k adds to a reduction's sum.
-  template <int W, typename V>
-  __device__ __forceinline__ V summand(const Values<W, V>& v, int k, V x) const { return (per_row ? V(1) : V(v.w[k])) * x; }
+  template <class Loss, int W, typename V>
+  __device__ __forceinline__ V summand(const Values<W, V>& v, int k, V x) const {
+    return (per_row || params_from_weight<Loss>() ? V(1) : V(v.w[k])) * x;
+  }
+  // The params element k's loss and gradients see: the op's own, or the element's, NaN
+  // where it lies outside the loss's domain (so its loss is NaN, as the formula's path makes
+  // it, with no launch to check the tensor).
+  template <class Loss, int W, typename V, class Params>
+  __device__ __forceinline__ Params params(const Values<W, V>& v, int k, const Params& own) const {
+    if constexpr (TakesParamPerElement<Loss>::value) {
+      if (param_per_element) {
+        const V given = V(v.w[k]);
+        const V value = TakesParamPerElement<Loss>::in_domain(given) ? given : V(NAN);
+        const LossParam<V> param{value, V(0)};
+        return Params{param, param, param};
+      }
+    }
+    return own;
+  }
+  // What element k's gradients are multiplied by: x times its weight, or x alone where the
+  // weight is its param.
+  template <class Loss, int W, typename V>
+  __device__ __forceinline__ V gradient_factor(const Values<W, V>& v, int k, V x) const {
+    return params_from_weight<Loss>() ? x : times(v, k, x);
+  }
   // Over rows, every element of a tile has its row's weight: the block's first thread
   // notes the one it loaded (it always loads the tile's first element).
   template <int W, typename V>
@@ -234,6 +272,13 @@ struct PairOp {
   LossParam<T> input_grad_param;   // in the dtype d loss / d input is computed in
   LossParam<T> target_grad_param;  // in the dtype d loss / d target is computed in
 
+  // The three, as the loss and its gradients see them: the op's, or an element's own
+  // (Weighted::params).
+  struct Params {
+    LossParam<T> loss, input_grad, target_grad;
+  };
+  __device__ __forceinline__ Params params() const { return Params{param, input_grad_param, target_grad_param}; }
+
   // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
   using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
@@ -253,25 +298,32 @@ struct PairOp {
   __device__ __forceinline__ static T diff_in(const In& x, const Tgt& y) {
     return fp16_intermediate<D>(in_dtype<D>(x) - in_dtype<D>(y));
   }
-  __device__ __forceinline__ T value(const In& x, const Tgt& y) const {
-    return Loss::template value<Out>(diff_in<Out>(x, y), param);
+  __device__ __forceinline__ T value(const In& x, const Tgt& y, const Params& p) const {
+    return Loss::template value<Out>(diff_in<Out>(x, y), p.loss);
   }
-  __device__ __forceinline__ T input_grad(const In& x, const Tgt& y) const {
-    return Loss::grad(diff_in<InputGradDtype>(x, y), input_grad_param);
+  __device__ __forceinline__ T value(const In& x, const Tgt& y) const { return value(x, y, params()); }
+  __device__ __forceinline__ T input_grad(const In& x, const Tgt& y, const Params& p) const {
+    return Loss::grad(diff_in<InputGradDtype>(x, y), p.input_grad);
   }
-  __device__ __forceinline__ T target_grad(const In& x, const Tgt& y) const {
+  __device__ __forceinline__ T target_grad(const In& x, const Tgt& y, const Params& p) const {
     if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
-      return -input_grad(x, y);  // the same computation: let the compiler share it
+      return -input_grad(x, y, p);  // the same computation: let the compiler share it
     } else {
-      return -Loss::grad(diff_in<TargetGradDtype>(x, y), target_grad_param);
+      return -Loss::grad(diff_in<TargetGradDtype>(x, y), p.target_grad);
     }
   }
   // The gradients times `factor`, each rounded once into its storage dtype.
+  __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor, const Params& p) const {
+    return Convert<In>::from(input_grad(x, y, p) * factor);
+  }
   __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor) const {
-    return Convert<In>::from(input_grad(x, y) * factor);
+    return rounded_input_grad(x, y, factor, params());
+  }
+  __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor, const Params& p) const {
+    return Convert<Tgt>::from(target_grad(x, y, p) * factor);
   }
   __device__ __forceinline__ Tgt rounded_target_grad(const In& x, const Tgt& y, T factor) const {
-    return Convert<Tgt>::from(target_grad(x, y) * factor);
+    return rounded_target_grad(x, y, factor, params());
   }
   template <int W>
   __device__ __forceinline__ void load_pair(Chunk<W>& c, int64_t first) const {
@@ -329,11 +381,14 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
     weights.note_row_weight(c.weight);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const T value = this->value(c.input[k], c.target[k]);
-      chunk_sum += weights.summand(c.weight, k, value);
-      const T factor = Weights::times(c.weight, k, grad_scale);
-      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
-      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
+      const auto params = weights.template params<Loss>(c.weight, k, this->params());
+      const T value = this->value(c.input[k], c.target[k], params);
+      chunk_sum += weights.template summand<Loss>(c.weight, k, value);
+      const T factor = weights.template gradient_factor<Loss>(c.weight, k, grad_scale);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor, params);
+      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
+        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor, params);
+      }
       if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(value * grad_scale);
     }
     sum += double(chunk_sum);
@@ -454,10 +509,11 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
     alignas(16) Out gw[Weights::kHasGradient ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const T factor = Weights::times(c.weight, k, grad_scale);
-      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor);
+      const auto params = weights.template params<Loss>(c.weight, k, this->params());
+      const T factor = weights.template gradient_factor<Loss>(c.weight, k, grad_scale);
+      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor, params);
       if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
-        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor);
+        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor, params);
       }
       if constexpr (Weights::kHasGradient) {
         if (weights.writes_gradient()) gw[k] = Convert<Out>::from(this->value(c.input[k], c.target[k]) * grad_scale);

@@ -1,8 +1,9 @@
 // The losses: the table that the host code and the kernel dispatch expand,
 // and each loss as a function of d = input - target.
 //
-// A new elementwise loss is one row here, one struct below, and its row in
-// fusedloss/functional.py (the Python side of the same table).
+// A new elementwise loss is one row here, one struct below (and, for a param that may be
+// a tensor, a TakesParamPerElement line), and its row in fusedloss/losses.py (the Python
+// side of the same table).
 #pragma once
 
 // X(Name, "name", "param", domain): the struct Name##Loss below, called "name"
@@ -231,6 +232,25 @@ template <class Loss>
 struct IsFloat32Math : std::false_type {};
 template <class Loss>
 struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
+
+// The losses whose param may differ per element (a tensor of quantiles along the last
+// dimension, a c per sample), read where it lies as a weight is (Weighted::param_per_element):
+// their param is not rounded into the loss's dtype and has no inverse to precompute.
+// `in_domain`: the param's domain (the table's last column); NaN is in none.
+template <class Loss>
+struct TakesParamPerElement : std::false_type {};
+template <>
+struct TakesParamPerElement<PseudoHuberLoss> : std::true_type {
+  template <typename T>
+  __device__ __forceinline__ static bool in_domain(T c) { return c > T(0); }
+};
+template <>
+struct TakesParamPerElement<QuantileLoss> : std::true_type {
+  template <typename T>
+  __device__ __forceinline__ static bool in_domain(T q) { return q >= T(0) && q <= T(1); }
+};
+template <class Loss>
+struct TakesParamPerElement<Float32Math<Loss>> : TakesParamPerElement<Loss> {};
 
 }  // namespace fusedloss
 

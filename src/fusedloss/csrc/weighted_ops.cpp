@@ -42,7 +42,10 @@ struct WeightedProblem {
 
 WeightedProblem prepare_weighted(const Tensor& input, const Tensor& target, const std::optional<Tensor>& weight,
                                  const std::optional<Tensor>& scale, const std::optional<Tensor>& divisor,
-                                 double host_scale, const std::string& loss, double param, bool autocast) {
+                                 double host_scale, const std::string& loss, double param, bool autocast,
+                                 bool param_per_element) {
+  STD_TORCH_CHECK(!param_per_element || (weight.has_value() && weight->defined()),
+                  "fusedloss: param_per_element reads each element's param from the weight");
   WeightedProblem w;
   w.ops = prepare(input, target, loss, param, autocast);
   const ScalarType math = w.ops.loss_dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
@@ -51,6 +54,7 @@ WeightedProblem prepare_weighted(const Tensor& input, const Tensor& target, cons
   w.divisor = as_device_scalar(divisor, w.ops.input);
   LossProblem& p = w.ops.problem;
   p.weight = w.weight.layout;
+  p.param_per_element = param_per_element;
   p.scale.host = host_scale;
   if (w.scale.defined()) {
     p.scale.scale = w.scale.data_ptr();
@@ -104,31 +108,38 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> weighted_loss(Tensor input, Tensor ta
                                                          std::optional<Tensor> scale, std::optional<Tensor> divisor,
                                                          double host_scale, std::string loss, double param,
                                                          std::vector<bool> output_mask, double expected_grad_output,
-                                                         bool autocast, int64_t weight_kept_dims) {
+                                                         bool autocast, int64_t weight_kept_dims,
+                                                         bool param_per_element) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  STD_TORCH_CHECK(!param_per_element || (!output_mask[2] && weight_kept_dims < 0),
+                  "fusedloss: a param per element takes no gradient and no weight_kept_dims");
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast,
+                                       param_per_element);
   w.ops.problem.expected_grad_output = expected_grad_output;
   const Tensor& operand = w.ops.input;
   Tensor out = empty({}, w.ops.loss_dtype, operand);
   Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.shape, operand.scalar_type(), operand);
   Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.shape, w.ops.target.scalar_type(), operand);
   Tensor grad_weight = weight_rows_or_grad_buffer(output_mask, weight_kept_dims, weight, w);
+  // Sums of empty rows are the zeros already written: nothing for the kernels to add.
+  const bool empty_rows = weight_kept_dims >= 0 && w.ops.problem.row_length == 0;
+  void* weight_gradient = empty_rows ? nullptr : data_or_null(grad_weight);
   const int64_t partials =
-      std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem, grad_weight.numel() > 0));
+      std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem, weight_gradient != nullptr));
   Tensor partial_sums = empty({partials}, ScalarType::Double, operand);
   FUSEDLOSS_CUDA_CHECK(launch_weighted_reduced_loss(w.ops.problem, static_cast<double*>(partial_sums.data_ptr()),
                                                     data_or_null(grad_input), data_or_null(grad_target),
-                                                    data_or_null(grad_weight), out.data_ptr(),
-                                                    current_stream(operand)));
+                                                    weight_gradient, out.data_ptr(), current_stream(operand)));
   return {out, as_dtype(grad_input, input.scalar_type()), as_dtype(grad_target, target.scalar_type()), grad_weight};
 }
 
 std::tuple<Tensor, Tensor, Tensor> weighted_loss_backward(
     Tensor grad_output, Tensor input, Tensor target, std::optional<Tensor> weight, std::optional<Tensor> scale,
     std::optional<Tensor> divisor, double host_scale, std::string loss, double param, std::vector<bool> output_mask,
-    int64_t history_slot_index, double expected_grad_output, bool autocast) {
+    int64_t history_slot_index, double expected_grad_output, bool autocast, bool param_per_element) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast,
+                                       param_per_element);
   w.ops.problem.expected_grad_output = expected_grad_output;  // for the note only
   check_grad_output(grad_output, input, "weighted_loss_backward");
   const Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
@@ -148,9 +159,11 @@ std::tuple<Tensor, Tensor, Tensor> weighted_loss_backward(
 void weighted_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor grad_weight, Tensor grad_output,
                              Tensor input, Tensor target, std::optional<Tensor> weight, std::optional<Tensor> scale,
                              std::optional<Tensor> divisor, double host_scale, std::string loss, double param,
-                             double expected_grad_output, int64_t history_slot_index, bool autocast) {
+                             double expected_grad_output, int64_t history_slot_index, bool autocast,
+                             bool param_per_element) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast);
+  WeightedProblem w = prepare_weighted(input, target, weight, scale, divisor, host_scale, loss, param, autocast,
+                                       param_per_element);
   w.ops.problem.expected_grad_output = expected_grad_output;
   check_grad_output(grad_output, input, "weighted_loss_backward_");
   const Tensor go = as_dtype(grad_output, w.ops.loss_dtype);

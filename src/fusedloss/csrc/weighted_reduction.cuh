@@ -23,6 +23,15 @@ void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
   op.weights.scale = p.scale;
   op.weights.grad = grad_weight;
   op.weights.per_row = p.row_length > 0;
+  op.weights.param_per_element = p.param_per_element;
+}
+
+// A param per element only for the losses that take one, given in the weight's place, with
+// no gradient of it to write and no rows.
+template <class Loss>
+bool param_per_element_fits(const LossProblem& p, const void* grad_weight) {
+  return !p.param_per_element || (TakesParamPerElement<Loss>::value && grad_weight == nullptr &&
+                                  p.row_length == 0 && p.weight.weight != nullptr);
 }
 
 // The pass that sums each tile into `partials` and writes the gradients kGrads
@@ -36,6 +45,7 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
+    if (!param_per_element_fits<decltype(loss)>(p, grad_weight)) return cudaErrorInvalidValue;
     const int64_t tiles = num_tiles<Op>(p.numel);
     const bool per_row = p.row_length > 0;
     static_assert(kRowTilingMultiple % kTileElements<Op> == 0, "rows of kRowTilingMultiple are whole tiles");
@@ -72,6 +82,7 @@ cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossBackwardOp<decltype(loss), In, Tgt, kGrads>;
+    if (!param_per_element_fits<decltype(loss)>(p, grad_weight)) return cudaErrorInvalidValue;
     const int64_t tiles = num_tiles<Op>(p.numel);
     if (tiles == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
