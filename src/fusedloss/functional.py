@@ -53,7 +53,6 @@ otherwise the loss per element is fused and the reduction over ``dim`` is torch'
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 import sys
 from collections.abc import Sequence
@@ -360,7 +359,7 @@ def _with_tensor_param(row: Loss, name: str, input: Tensor, target: Tensor, redu
     if weight is None and not _holds_a_dtensor(input, target) and (
             out := weighted.fused_param_tensor_loss(name, input, target, param, reduction, scale)) is not None:
         return out  # the kernels make an element outside the param's domain NaN
-    return _tensor_param_formula(row, name, input, target, reduction, _nan_where_invalid(row, param), weight, scale)
+    return _tensor_param_formula(row, name, input, target, reduction, row.nan_outside_domain(param), weight, scale)
 
 
 def _tensor_param_formula(row: Loss, name: str, input: Tensor, target: Tensor, reduction: str, param: Tensor,
@@ -398,14 +397,6 @@ def _reduced_over(row: Loss, name: str, kernel_loss: str, input: Tensor, target:
             return reductions.reduce(out, "none", None, scale)
     per_element = _loss(name, input, target, None, None, "none", param, None, None)
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim, row.weighted_mean_over_count)
-
-
-def _nan_where_invalid(row: Loss, param: Tensor) -> Tensor:
-    """A tensor param's elements outside the param's domain as NaN: their losses are NaN,
-    never a plausible number, and nothing waits for the GPU to check them."""
-    if not param.is_floating_point():
-        param = param.to(torch.get_default_dtype())
-    return torch.where(row.param_valid(param), param, math.nan)
 
 
 def _as_quantiles(quantiles: object, input: Tensor, target: Tensor) -> float | Tensor:

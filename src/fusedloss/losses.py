@@ -63,6 +63,14 @@ class Loss:
         kernels' TakesParamPerElement)."""
         return self.param is not None and not self.pytorch
 
+    def nan_outside_domain(self, param: Tensor) -> Tensor:
+        """A tensor param with its elements outside the domain as NaN: their losses are NaN,
+        never a plausible number, and nothing waits for the GPU to check them. An integer or
+        bool tensor comes back in the default dtype."""
+        if not param.is_floating_point():
+            param = param.to(torch.get_default_dtype())
+        return torch.where(self.param_valid(param), param, math.nan)
+
     def param_valid(self, value: float | Tensor) -> bool | Tensor:
         """Whether the param lies in its domain (NaN does not); elementwise for a tensor."""
         low = value >= 0 if self.param_zero_is is not None or self.param_zero_valid else value > 0

@@ -407,7 +407,7 @@ def weighted_gradients(
     operands = as_computed(input, target, autocast)
     factor = weighted_factor(scale, divisor, host_scale) * torch.as_tensor(grad_output, dtype=torch.float64)
     if param_per_element:
-        param, weight, per_element = _element_params(loss, weight).to(torch.float64), None, factor
+        param, weight, per_element = LOSSES[loss].nan_outside_domain(weight).to(torch.float64), None, factor
     else:
         per_element = factor if weight is None else weight.to(torch.float64) * factor
     # Every factor applied before the one rounding into each gradient's dtype.
@@ -426,18 +426,12 @@ def _weighted_sum(input: Tensor, target: Tensor, weight: Tensor | None, scale: T
                   param_per_element: bool) -> Tensor:
     operands = as_computed(input, target, autocast)
     if param_per_element:
-        param, weight = _element_params(loss, weight), None
+        param, weight = LOSSES[loss].nan_outside_domain(weight), None  # as the kernels read it
     per_element = formulas.torch_loss(*operands, loss, param, "none").to(torch.float64)
     if weight is not None:
         per_element = per_element * weight.to(torch.float64)
     return (per_element.sum() * weighted_factor(scale, divisor, host_scale)).to(_loss_dtype(input, target, loss,
                                                                                              autocast))
-
-
-def _element_params(loss: str, weight: Tensor) -> Tensor:
-    """A param per element as the kernels read it: NaN outside the loss's domain."""
-    params = weight if weight.is_floating_point() else weight.to(torch.get_default_dtype())
-    return torch.where(LOSSES[loss].param_valid(params), params, math.nan)
 
 
 def _check_param_per_element(param_per_element: bool, loss: str, weight: Tensor | None,

@@ -121,22 +121,31 @@ def _fused_weighted_loss(
             # The sum of the weight expanded to the loss's shape, without expanding it.
             divisor = reductions.weight_sum(weight, result_dtype)
             host_scale /= numel // weight.numel()
-    output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
+    output_mask = _NO_WEIGHTED_GRADIENTS
     kept_dims = ops.weight_row_tiling(weight, input, target)
-    if (input.requires_grad or target.requires_grad) and torch.is_grad_enabled():
-        if routing.forward_writes_gradients(input, target, numel):
-            slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target,
-                                                                          weight, family="weighted")
-            if not mispredicted:
-                # A weight over leading dimensions gets its gradient from the loss's sums per row.
-                weight_gradient = (_needs_grad(weight) and kept_dims < 0
-                                   and ops.weight_gradient_rows(weight, input, target) is None)
-                output_mask = [input.requires_grad, target.requires_grad, weight_gradient]
+    operands, slot, expected = _forward_gradients(loss, param, reduction, input, target, weight, numel)
+    if operands is not None:
+        # A weight over leading dimensions gets its gradient from the loss's sums per row.
+        weight_gradient = (_needs_grad(weight) and kept_dims < 0
+                           and ops.weight_gradient_rows(weight, input, target) is None)
+        output_mask = [*operands, weight_gradient]
     if kept_dims >= 0 and _needs_grad(weight):
         output_mask = [output_mask[0], output_mask[1], True]  # the forward's sums per row
     return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight,
                          device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math,
                          kept_dims, False)[0]
+
+
+def _forward_gradients(loss: str, param: float, reduction: str, input: Tensor, target: Tensor,
+                       weight: Tensor | None, numel: int) -> tuple[list[bool] | None, int, float]:
+    """Which operands' gradients the forward's pass writes (None: none), for the grad_output
+    expected (grad_output_prediction), and the backward's history slot."""
+    if not ((input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
+            and routing.forward_writes_gradients(input, target, numel)):
+        return None, -1, 1.0
+    slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target, weight,
+                                                                  family="weighted")
+    return None if mispredicted else [input.requires_grad, target.requires_grad], slot, expected
 
 
 def _device_and_host_scale(scale: float | Tensor | None, device: torch.device) -> tuple[Tensor | None, float]:
@@ -170,14 +179,9 @@ def fused_param_tensor_loss(loss: str, input: Tensor, target: Tensor, param: Ten
     numel = shape.numel()
     if reduction == "mean":
         host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
-    output_mask, slot, expected = _NO_WEIGHTED_GRADIENTS, -1, 1.0
-    if ((input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
-            and routing.forward_writes_gradients(input, target, numel)):
-        # -1: no number param of these losses, so a slot of its own
-        slot, expected, mispredicted = grad_output_prediction.predict(loss, -1.0, reduction, input, target, param,
-                                                                      family="weighted")
-        if not mispredicted:
-            output_mask = [input.requires_grad, target.requires_grad, False]
+    # -1: no number param of these losses, so a history slot of its own
+    operands, slot, expected = _forward_gradients(loss, -1.0, reduction, input, target, param, numel)
+    output_mask = _NO_WEIGHTED_GRADIENTS if operands is None else [*operands, False]
     # the number param is unused; its default passes the operator's check of it
     return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target), input, target, param, device_scale,
                          None, host_scale, loss, LOSSES[loss].param_default, output_mask, slot, expected, autocast, -1,
