@@ -24,7 +24,7 @@ import torch
 
 from fusedloss import build, losses, routing
 
-from conftest import LOSSES, PARAMS, loss_kwargs, requires_cuda
+from conftest import LOSSES, PARAMS, loss_kwargs, requires_cuda, warm_up_for_capture
 
 ROUTES = {"backward": 1 << 62, "forward": 0}
 _INT_VIEW = {torch.float16: (torch.int16, 0x7FFF), torch.bfloat16: (torch.int16, 0x7FFF),
@@ -268,3 +268,53 @@ def test_grad_outputs(request, route, name, dtype, reduction, weighted, on):
         received = grad_output_as_received(grad_output, loss)
         reference = derivative64(name, input.detach(), target, float32_math=False) * weight64 * (factor * received)
         check(name, input.grad, eager_input.grad, reference, f"{on} {route} grad_output {grad_output}")
+
+
+# ---- a tensor param ---------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", [name for name in LOSSES if losses.LOSSES[name].takes_param_tensor])
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "bf16-autocast"])
+@pytest.mark.parametrize("grad_output", [2.0**16, 1000.0, 0.37], ids=str)
+def test_a_param_tensor_at_scale_under_autocast_and_in_a_cuda_graph(cuda, route, name, autocast, grad_output):
+    """A tensor param read by the weighted pass (nine quantiles along the last dimension
+    against a (..., 1) target, a c per sample), at 2^20 elements and more of bf16, with a
+    grad_output not 1, under bf16 autocast (a float32 loss) and without: the input's
+    gradient within 1 ulp of float64's rounded to bf16, the same bits in a second step (the
+    grad_output then expected) and in a CUDA graph's replay."""
+    if losses.LOSSES[name].param_zero_valid:  # the quantiles
+        shape, target_shape = (1 << 12, 32, 9), (1 << 12, 32, 1)
+        param = torch.tensor([0.02, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.98], device=cuda)
+    else:
+        shape, target_shape = (16, 4, 128, 128), (16, 4, 128, 128)
+        param = torch.rand(16, 1, 1, 1, device=cuda) + 0.1
+    input = (torch.randn(shape, device=cuda) * 3).to(torch.bfloat16).requires_grad_()
+    target = (torch.randn(target_shape, device=cuda) * 3).to(torch.bfloat16)
+    fn = LOSSES[name][0]
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        input.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(input, target, param)
+        loss.backward(torch.full((), grad_output, dtype=loss.dtype, device=cuda))
+        return loss, input.grad
+
+    first, second = step(), step()
+    loss, grad = second
+    assert loss.dtype == (torch.float32 if autocast else torch.bfloat16)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    d = input.detach().double() - target.double()
+    reference = losses.LOSSES[name].gradient(d, param.double()) * grad_output_as_received(grad_output, loss)
+    reference = reference / d.numel()
+    worst = ulps(grad, reference.to(torch.bfloat16)).max().item()
+    assert worst <= 1, f"an element {worst} ulp away"
+
+    warm_up_for_capture(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    for a, b in zip(static, second):
+        assert torch.equal(a, b)
