@@ -298,7 +298,7 @@ def test_a_param_tensor_at_scale_under_autocast_and_in_a_cuda_graph(cuda, route,
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = fn(input, target, param)
         loss.backward(torch.full((), grad_output, dtype=loss.dtype, device=cuda))
-        return loss, input.grad
+        return loss.detach(), input.grad  # no graph kept alive: capture wants none from before
 
     first, second = step(), step()
     loss, grad = second

@@ -97,3 +97,22 @@ def test_a_tensor_c_not_above_zero_gives_nan_losses(bad, reduction):
     out.sum().backward()
     if reduction == "none":  # the valid row keeps its gradient
         assert c.grad[1].isfinite().all() and c.grad[0].eq(0).all()
+
+
+@pytest.mark.parametrize("a, b", [((2, 3), (2, 3)), ((4, 1, 3), (1, 5, 3)), ((0, 1), (1, 7)), ((1, 0), (3, 1)),
+                                  ((4, 1, 3), (5, 1)), ((3,), ()), ((), ()), ((2, 3), (3, 2)), ((2, 3), (2, 4)),
+                                  ((0,), (2,))])
+def test_the_loss_shape_is_torchs_broadcast_shape(a, b):
+    """reductions.loss_shape works equal ranks out itself: its shapes, and errors, are
+    torch.broadcast_shapes'."""
+    from fusedloss import reductions
+
+    x, y = torch.empty(a, device="meta"), torch.empty(b, device="meta")
+    try:
+        expected = torch.broadcast_shapes(x.shape, y.shape)
+    except RuntimeError as error:
+        with pytest.raises(RuntimeError, match=str(error)[:40]):
+            reductions.loss_shape(x, y)
+        return
+    shape = reductions.loss_shape(x, y)
+    assert shape == expected and type(shape) is torch.Size

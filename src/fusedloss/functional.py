@@ -411,30 +411,37 @@ def _as_quantiles(quantiles: object, input: Tensor, target: Tensor) -> float | T
         return quantiles
     if isinstance(quantiles, Tensor):
         if quantiles.device == input.device or quantiles.requires_grad or input.device.type == "cpu":
-            shape = torch.broadcast_shapes(input.shape, target.shape)
+            shape = reductions.loss_shape(input, target)
             if quantiles.dim() > len(shape) or any(q not in (1, s) for q, s in
                                                     zip(reversed(quantiles.shape), reversed(shape))):
                 raise ValueError(f"quantile_loss(): quantiles of shape {tuple(quantiles.shape)} do not broadcast "
                                  f"to the loss's shape {tuple(shape)}")
             return quantiles
         quantiles = quantiles.tolist() if quantiles.dim() else [quantiles.item()]
-    values = tuple(float(q) for q in quantiles)
-    if not values:
-        raise ValueError("quantile_loss(): quantiles is empty")
-    if not all(LOSSES["quantile"].param_valid(q) for q in values):
-        raise ValueError(f"fusedloss: quantile_loss needs quantiles in [0, 1], got {list(values)}")
+    values = tuple(map(float, quantiles))
     if len(values) == 1:
-        return values[0]
-    last = torch.broadcast_shapes(input.shape, target.shape)[-1:] or (1,)
+        return _checked_quantiles(values)[0]
+    last = reductions.loss_shape(input, target)[-1:] or (1,)
     if len(values) != last[0]:
+        _checked_quantiles(values)  # an empty or invalid sequence's error first
         raise ValueError(f"quantile_loss(): {len(values)} quantiles for a loss whose last dimension is {last[0]}")
     dtype = torch.float64 if torch.float64 in (input.dtype, target.dtype) else torch.float32
     return _quantile_tensor(values, input.device, dtype)
 
 
 @functools.lru_cache(maxsize=64)
+def _checked_quantiles(values: tuple[float, ...]) -> tuple[float, ...]:
+    """The quantiles, once checked: a step passes the same sequence again and again."""
+    if not values:
+        raise ValueError("quantile_loss(): quantiles is empty")
+    if not all(LOSSES["quantile"].param_valid(q) for q in values):
+        raise ValueError(f"fusedloss: quantile_loss needs quantiles in [0, 1], got {list(values)}")
+    return values
+
+
+@functools.lru_cache(maxsize=64)
 def _quantile_tensor(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    host = torch.tensor(values, dtype=dtype)
+    host = torch.tensor(_checked_quantiles(values), dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()  # copied without waiting for the GPU
     return host.to(device, non_blocking=True)

@@ -14,6 +14,19 @@ from torch import Tensor
 Dims = int | Sequence[int] | None
 
 
+def loss_shape(input: Tensor, target: Tensor) -> torch.Size:
+    """The shape input and target broadcast to. Equal ranks are worked out here: a small
+    step feels torch.broadcast_shapes, which reasons about symbolic sizes; everything else
+    (and every error) is its."""
+    a, b = input.shape, target.shape
+    if a == b:
+        return a
+    if (len(a) == len(b) and not torch.compiler.is_compiling()
+            and all(x == y or x == 1 or y == 1 for x, y in zip(a, b))):
+        return torch.Size([y if x == 1 else x for x, y in zip(a, b)])
+    return torch.broadcast_shapes(a, b)
+
+
 def check_weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
     """Raises unless the weight broadcasts to the loss's shape without widening it."""
     fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))

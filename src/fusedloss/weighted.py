@@ -66,7 +66,7 @@ def weighted_loss(
     pytorch_case = (torch_weighted is not None and isinstance(weight, Tensor) and weight.size() == input.size())
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
-    shape = input.shape if target.shape == input.shape else torch.broadcast_shapes(input.shape, target.shape)
+    shape = reductions.loss_shape(input, target)
     if weight is not None:
         reductions.check_weight_broadcasts(weight, shape)
     if reduction not in routing.MODES:
@@ -166,7 +166,7 @@ def fused_param_tensor_loss(loss: str, input: Tensor, target: Tensor, param: Ten
     if reduction == "none" or not routing.kernels_apply(input, target):
         return None
     reductions.check_scale(scale)
-    shape = input.shape if target.shape == input.shape else torch.broadcast_shapes(input.shape, target.shape)
+    shape = reductions.loss_shape(input, target)
     if (not isinstance(param, Tensor) or _needs_grad(param) or param.dim() > len(shape)
             or any(p not in (1, s) for p, s in zip(reversed(param.shape), reversed(shape)))):
         return None
