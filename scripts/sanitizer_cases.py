@@ -103,12 +103,17 @@ def main() -> None:
             fn(input, target, weight=weight, **kwargs)
         cases += 1
     # A tensor param read where a weight would lie: quantiles along the last dimension
-    # against a broadcast target, a c per sample; every dtype pair, mean and sum.
+    # against a broadcast target (a strided view, and a (..., 1) tensor read where it lies),
+    # a c per sample against a target of the loss's shape and one that broadcasts; every
+    # dtype pair, mean and sum.
     for (in_dtype, tgt_dtype), offset in itertools.product(DTYPE_PAIRS, (0, 1)):
         input = operand(5 * 7 * 9, in_dtype, offset).view(5, 7, 9)
         target = operand(5 * 7 * 9, tgt_dtype, offset).view(5, 7, 9)
-        params = ((fusedloss.quantile_loss, input, target[..., :1].detach(), torch.rand(9, device="cuda")),
-                  (fusedloss.pseudo_huber_loss, input, target, torch.rand(5, 1, 1, device="cuda") + 0.1))
+        quantiles, c = torch.rand(9, device="cuda"), torch.rand(5, 1, 1, device="cuda") + 0.1
+        params = ((fusedloss.quantile_loss, input, target[..., :1].detach(), quantiles),
+                  (fusedloss.quantile_loss, input, operand(5 * 7, tgt_dtype, offset).view(5, 7, 1), quantiles),
+                  (fusedloss.pseudo_huber_loss, input, target, c),
+                  (fusedloss.pseudo_huber_loss, input, operand(7 * 9, tgt_dtype, offset).view(7, 9), c))
         for (fn, x, y, param), reduction, fused_from in itertools.product(params, ("mean", "sum"), (0, 1 << 62)):
             routing.FUSED_GRADIENT_FROM_BYTES = fused_from
             for _ in range(2 if fused_from == 0 else 1):

@@ -369,16 +369,24 @@ def _param_tensor(name, shape, device):
     return torch.rand((shape[0],) + (1,) * (len(shape) - 1), device=device) + 0.25
 
 
+# The target's shapes against a (6, 5, 7, 9) loss: its own, the forecasting (..., 1), one
+# that broadcasts over leading and middle dimensions (a lower rank), and one value.
+PARAM_TENSOR_TARGETS = {"same": (6, 5, 7, 9), "last-1": (6, 5, 7, 1), "middle": (5, 1, 9), "one": (1,)}
+
+
 @pytest.mark.parametrize("forward_writes", [False, True], ids=["backward-computes", "forward-writes"])
+@pytest.mark.parametrize("target_shape", PARAM_TENSOR_TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", PARAM_TENSOR_LOSSES)
-def test_a_param_tensor_is_read_where_a_weight_lies(device, monkeypatch, name, reduction, dtype, forward_writes):
+def test_a_param_tensor_is_read_where_a_weight_lies(device, monkeypatch, name, reduction, dtype, target_shape,
+                                                    forward_writes):
     """A tensor param (several quantiles, a c per sample): a mean or sum is the weighted
-    operator's one pass, with the param read where a weight would lie, and no torch
-    operation over the loss's elements. Values and the operands' gradients against float64
-    at grad_outputs 1, 2^16 (1000 for fp16) and 0.37 (the forward's expected one, and then
-    not), a scale too, and the same bits on every run."""
+    operator's one pass, with the param read where a weight would lie, a target that
+    broadcasts read where it lies too, and no torch operation over the loss's elements.
+    Values and the operands' gradients against float64 at grad_outputs 1, 2^16 (1000 for
+    fp16) and 0.37 (the forward's expected one, and then not), a scale too, and the same
+    bits on every run."""
     if device == "cpu" and not routing.kernels_apply(torch.ones(1), torch.ones(1)):
         pytest.skip("fusedloss's plain CPU path: torch operations by design")
     if dtype in (torch.float16, torch.bfloat16) and device != "cuda":
@@ -386,7 +394,8 @@ def test_a_param_tensor_is_read_where_a_weight_lies(device, monkeypatch, name, r
     if forward_writes:
         monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)
     shape = (6, 5, 7, 9)
-    input, target = operands(shape, device, dtype, clamp=30.0)
+    input = operands(shape, device, dtype, clamp=30.0)[0]
+    target = operands(PARAM_TENSOR_TARGETS[target_shape], device, dtype, clamp=30.0)[1]
     param = _param_tensor(name, shape, device)
     for scale in (None, 0.75):
         x64, t64 = _as64(input), _as64(target)
@@ -408,7 +417,31 @@ def test_a_param_tensor_is_read_where_a_weight_lies(device, monkeypatch, name, r
             assert_close64(out, expected, dtype, msg="value")
             want_input, want_target = torch.autograd.grad(expected, (x64, t64), go.double(), retain_graph=True)
             assert_gradient_close64(grad_input, want_input, dtype, msg="input's gradient")
-            assert_gradient_close64(grad_target, want_target, dtype, msg="target's gradient")
+            # a broadcast target's gradient sums the input's, negated: relative to their magnitude
+            bound = want_input.abs().sum_to_size(target.shape)
+            assert_gradient_close64(grad_target, want_target, dtype, bound=bound, msg="target's gradient")
+
+
+@requires_cuda
+@pytest.mark.parametrize("forward_writes", [False, True], ids=["backward-computes", "forward-writes"])
+def test_cuda_quantiles_read_a_broadcast_target_where_it_lies(cuda, monkeypatch, forward_writes):
+    """Nine quantiles against a (..., 1) target: a training step allocates the input's
+    gradient and small buffers, no copy of the target expanded to the loss's shape."""
+    if forward_writes:
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 0)
+    x = torch.randn(1 << 12, 256, 9, device=cuda, requires_grad=True)
+    y = torch.randn(1 << 12, 256, 1, device=cuda)
+    quantiles = [0.02, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.98]
+    torch.autograd.grad(fusedloss.quantile_loss(x, y, quantiles), x)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grad = torch.autograd.grad(fusedloss.quantile_loss(x, y, quantiles), x)[0]
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    n_bytes = x.numel() * x.element_size()
+    assert extra < n_bytes + n_bytes // 4, f"{extra} bytes for {x.numel()} elements"
+    assert grad.shape == x.shape
 
 
 @pytest.mark.parametrize("name", LOSSES)

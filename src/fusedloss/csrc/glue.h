@@ -179,10 +179,11 @@ inline Tensor as_kernel_layout(const Tensor& t) {
 // Skips each step that has nothing to do: this runs on every call. The kernels
 // take fp64 only paired with fp64, so pairs with one fp64 side meet in `common`
 // here; other mixed pairs are read as they are.
-inline Tensor as_kernel_operand(const Tensor& t, ScalarType common, const Shape& shape) {
+// With `broadcast` false, an operand that broadcasts keeps its own shape.
+inline Tensor as_kernel_operand(const Tensor& t, ScalarType common, const Shape& shape, bool broadcast = true) {
   const bool fp64_pair = common == ScalarType::Double || t.scalar_type() == ScalarType::Double;
   Tensor out = fp64_pair ? as_dtype(t, common) : t;
-  if (shape_of(out) != shape) out = expand(out, shape);
+  if (broadcast && shape_of(out) != shape) out = expand(out, shape);
   return as_kernel_layout(out);
 }
 
@@ -209,8 +210,9 @@ inline Shape broadcast_shape(const Shape& a, const Shape& b) {
 // The operand as CUDA autocast hands it to these losses: float32 if 16-bit.
 inline Tensor as_autocast_would(const Tensor& t) { return is_16bit(t.scalar_type()) ? as_dtype(t, ScalarType::Float) : t; }
 
-// The operands as the kernels take them: broadcast to one shape, contiguous
-// (the slower path copies views that are not), and both fp64 when either is.
+// The operands as the kernels take them: broadcast to one shape (the target may keep its
+// own, where the caller lays it out), contiguous (the slower path copies views that are
+// not), and both fp64 when either is.
 struct Operands {
   Tensor input, target;
   ScalarType loss_dtype;  // what PyTorch returns, and what the kernels write
@@ -220,8 +222,9 @@ struct Operands {
 
 // With `autocast`, the loss is the one of the operands as autocast would cast
 // them; the pairs the kernels read directly (reads_under_autocast) are not converted.
+// With `target_keeps_its_shape`, a target that broadcasts is not expanded.
 inline Operands prepare(const Tensor& input_as_given, const Tensor& target_as_given, const std::string& loss,
-                        double param, bool autocast) {
+                        double param, bool autocast, bool target_keeps_its_shape = false) {
   STD_TORCH_CHECK(is_kernel_dtype(input_as_given.scalar_type()) && is_kernel_dtype(target_as_given.scalar_type()),
                   "fusedloss: the kernels take float16, bfloat16, float32 and float64 operands");
   const bool reads_directly = autocast && reads_under_autocast(to_dtype(input_as_given.scalar_type()),
@@ -244,7 +247,7 @@ inline Operands prepare(const Tensor& input_as_given, const Tensor& target_as_gi
   const Shape target_shape = shape_of(target);
   ops.shape = input_shape == target_shape ? input_shape : broadcast_shape(input_shape, target_shape);
   ops.input = as_kernel_operand(input, common, ops.shape);
-  ops.target = as_kernel_operand(target, common, ops.shape);
+  ops.target = as_kernel_operand(target, common, ops.shape, !target_keeps_its_shape);
   ops.problem = LossProblem{kind,
                             param,
                             ops.input.data_ptr(),
@@ -339,23 +342,16 @@ struct KernelWeight {
   ElementWeight layout;
 };
 
-inline KernelWeight as_kernel_weight(const std::optional<Tensor>& weight, const Shape& shape, ScalarType math_dtype,
-                                     const Tensor& like) {
+// `stored` (a tensor that broadcasts to `shape`, in the dtype the kernels read) laid out as
+// a weight is: in its own shape when the loss's dimensions fall into as many runs as the
+// kernels take, else expanded first over some of them.
+inline KernelWeight laid_out(const Tensor& stored_as_given, const Shape& shape) {
   KernelWeight out;
-  if (!weight.has_value() || !weight->defined()) return out;
-  const Tensor& w = *weight;
-  STD_TORCH_CHECK(same_device(w, like), "fusedloss: the weight must be on the operands' device");
   const int64_t rank = static_cast<int64_t>(shape.size());
-  const int64_t skip = rank - w.dim();
-  STD_TORCH_CHECK(skip >= 0, "fusedloss: a weight of shape ", to_string(shape_of(w)),
-                  " does not broadcast to the loss's shape ", to_string(shape));
-  // The weight's size along each of the loss's dimensions (1 where it broadcasts).
+  const int64_t skip = rank - stored_as_given.dim();
+  // Its size along each of the loss's dimensions (1 where it broadcasts).
   Shape sizes(rank, 1);
-  for (int64_t i = skip; i < rank; ++i) {
-    sizes[i] = w.size(i - skip);
-    STD_TORCH_CHECK(sizes[i] == shape[i] || sizes[i] == 1, "fusedloss: a weight of shape ", to_string(shape_of(w)),
-                    " does not broadcast to the loss's shape ", to_string(shape));
-  }
+  for (int64_t i = skip; i < rank; ++i) sizes[i] = stored_as_given.size(i - skip);
   // The loss's dimensions of size > 1, merged into runs the weight spans or broadcasts over.
   struct Run {
     int64_t size;
@@ -381,7 +377,7 @@ inline KernelWeight as_kernel_weight(const std::optional<Tensor>& weight, const 
   const int64_t numel = product(shape);
   if (numel == 0) runs.clear();  // nothing to read, and no run to divide by
   const bool index_32bit = numel <= static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
-  Tensor stored = as_dtype(w, math_dtype);
+  Tensor stored = stored_as_given;
   const int64_t max_runs = index_32bit ? kWeightRuns : kWideWeightRuns;
   if (static_cast<int64_t>(runs.size()) > max_runs) {
     // More runs than the kernels take: the weight is first expanded over the shortest
@@ -396,12 +392,12 @@ inline KernelWeight as_kernel_weight(const std::optional<Tensor>& weight, const 
     }
     std::sort(between.begin(), between.end(), [](const Run& a, const Run& b) { return a.size < b.size; });
     const int64_t merges = (static_cast<int64_t>(runs.size()) - max_runs + 1) / 2;
-    STD_TORCH_CHECK(merges <= static_cast<int64_t>(between.size()), "fusedloss: internal error in as_kernel_weight");
+    STD_TORCH_CHECK(merges <= static_cast<int64_t>(between.size()), "fusedloss: internal error in laid_out");
     for (int64_t m = 0; m < merges; ++m) {
       for (int64_t i = between[m].first_dim; i <= between[m].last_dim; ++i) sizes[i] = shape[i];
     }
     runs = runs_of();
-    STD_TORCH_CHECK(static_cast<int64_t>(runs.size()) <= max_runs, "fusedloss: internal error in as_kernel_weight");
+    STD_TORCH_CHECK(static_cast<int64_t>(runs.size()) <= max_runs, "fusedloss: internal error in laid_out");
     stored = expand(stored, sizes);
   }
   out.tensor = as_kernel_layout(stored);
@@ -428,6 +424,21 @@ inline KernelWeight as_kernel_weight(const std::optional<Tensor>& weight, const 
   layout.vector_loads = !runs.empty() && runs[0].spanned && runs[0].size % 8 == 0;
   layout.index_32bit = index_32bit;
   return out;
+}
+
+inline KernelWeight as_kernel_weight(const std::optional<Tensor>& weight, const Shape& shape, ScalarType math_dtype,
+                                     const Tensor& like) {
+  if (!weight.has_value() || !weight->defined()) return {};
+  const Tensor& w = *weight;
+  STD_TORCH_CHECK(same_device(w, like), "fusedloss: the weight must be on the operands' device");
+  const int64_t skip = static_cast<int64_t>(shape.size()) - w.dim();
+  bool fits = skip >= 0;
+  for (int64_t i = std::max<int64_t>(skip, 0); fits && i < static_cast<int64_t>(shape.size()); ++i) {
+    fits = w.size(i - skip) == shape[i] || w.size(i - skip) == 1;
+  }
+  STD_TORCH_CHECK(fits, "fusedloss: a weight of shape ", to_string(shape_of(w)), " does not broadcast to the loss's "
+                  "shape ", to_string(shape));
+  return laid_out(as_dtype(w, math_dtype), shape);
 }
 
 }  // namespace

@@ -102,6 +102,10 @@ struct LossProblem {
   // `weight` holds each element's param, which replaces `param`, and multiplies nothing:
   // a loss that TakesParamPerElement (losses.cuh) only, with no weight gradient and no rows.
   bool param_per_element = false;
+  // With param_per_element only: a target that broadcasts to the loss's shape, laid out as a
+  // weight is and read where it lies (`target` is its storage). Null `weight`: the target
+  // has the loss's shape.
+  ElementWeight broadcast_target;
   // > 0: the weight is constant along rows of this many elements, a multiple of
   // kRowTilingMultiple (a weight per sample or per channel), and the forward reduction
   // may sum the loss of each row (launch_weighted_reduced_loss).

@@ -52,6 +52,10 @@ struct Unweighted {
   struct Values {};
   template <int W, typename T>
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
+  template <class Loss, int W, typename Tgt>
+  __device__ __forceinline__ static void load_target(Tgt (&dst)[W], const Tgt* __restrict__ target, int64_t first) {
+    load_chunk(dst, target, first);
+  }
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
   template <class Loss, int W, typename T>
@@ -126,10 +130,13 @@ struct Weighted {
     return f;
   }
 
-  // Element e's weight index and its coordinate in the innermost run: one division per
-  // run, by multiplication where the indices fit 32 bits (ElementWeight's magic numbers).
-  // 64-bit indices come with at most kWideWeightRuns runs (ElementWeight).
+  // Element e's index into the weight (or, kTarget, the target: broadcast_target) and its
+  // coordinate in the innermost run: one division per run, by multiplication where the
+  // indices fit 32 bits (ElementWeight's magic numbers). 64-bit indices come with at most
+  // kWideWeightRuns runs (ElementWeight).
+  template <bool kTarget = false>
   __device__ __forceinline__ WeightIndex locate(int64_t e) const {
+    const ElementWeight& layout = kTarget ? broadcast_target : this->layout;
     if (layout.index_32bit) {
       uint32_t q = uint32_t(e), index = 0, inner_at = 0;
 #pragma unroll
@@ -157,8 +164,48 @@ struct Weighted {
     return {index, inner_at};
   }
 
-  // Element `first + k`'s weight: one load (a vector load, or W loads of neighbours) for a
-  // chunk within the innermost run, else a walk that locates each run it enters.
+  // Elements first .. first + W - 1 of the weight (or, kTarget, the target), laid out in at
+  // least one run: one load (a vector load, or W loads of neighbours) for a chunk within
+  // the innermost run, else a walk that locates each run it enters.
+  template <bool kTarget, int W, typename S>
+  __device__ __forceinline__ void load_along_runs(S (&dst)[W], const S* src, int64_t first) const {
+    const ElementWeight& layout = kTarget ? broadcast_target : this->layout;
+    if (layout.dense) {
+      load_chunk(dst, src, first);
+      return;
+    }
+    WeightIndex where = locate<kTarget>(first);
+    int64_t index = where.index, at = where.inner_at;
+    if (at + W <= layout.size[0]) {
+      if (layout.stride[0] == 0) {
+        const S w = src[index];
+#pragma unroll
+        for (int k = 0; k < W; ++k) dst[k] = w;
+      } else if (layout.vector_loads) {
+        static_assert(W <= 8, "vector_loads promises alignment for chunks of up to 8 elements");
+        load_chunk(dst, src, index);
+      } else {
+#pragma unroll
+        for (int k = 0; k < W; ++k) dst[k] = src[index + k];
+      }
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      dst[k] = src[index];
+      if (k + 1 < W) {
+        if (++at < layout.size[0]) {
+          index += layout.stride[0];
+        } else {
+          where = locate<kTarget>(first + k + 1);
+          index = where.index;
+          at = where.inner_at;
+        }
+      }
+    }
+  }
+
+  // Element `first + k`'s weight: 1 without one.
   template <int W, typename V>
   __device__ __forceinline__ void load(Values<W, V>& v, int64_t first) const {
     if (weight == nullptr || layout.runs == 0) {
@@ -167,39 +214,21 @@ struct Weighted {
       for (int k = 0; k < W; ++k) v.w[k] = w;
       return;
     }
-    if (layout.dense) {
-      load_chunk(v.w, weight, first);
-      return;
-    }
-    WeightIndex where = locate(first);
-    int64_t index = where.index, at = where.inner_at;
-    if (at + W <= layout.size[0]) {
-      if (layout.stride[0] == 0) {
-        const Stored w = weight[index];
+    load_along_runs<false>(v.w, weight, first);
+  }
+  // The target's chunk: where it lies (broadcast_target) for the quantile loss, so a
+  // (..., 1) target against several quantiles is never expanded; else dense.
+  template <class Loss, int W, typename Tgt>
+  __device__ __forceinline__ void load_target(Tgt (&dst)[W], const Tgt* __restrict__ target, int64_t first) const {
+    if constexpr (TakesParamPerElement<Loss>::kTargetWhereItLies) {
+      if (broadcast_target.weight != nullptr) {
+        // each element located on its own: less code to compile than the weight's walk
 #pragma unroll
-        for (int k = 0; k < W; ++k) v.w[k] = w;
-      } else if (layout.vector_loads) {
-        static_assert(W <= 8, "vector_loads promises alignment for chunks of up to 8 weights");
-        load_chunk(v.w, weight, index);
-      } else {
-#pragma unroll
-        for (int k = 0; k < W; ++k) v.w[k] = weight[index + k];
-      }
-      return;
-    }
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      v.w[k] = weight[index];
-      if (k + 1 < W) {
-        if (++at < layout.size[0]) {
-          index += layout.stride[0];
-        } else {
-          where = locate(first + k + 1);
-          index = where.index;
-          at = where.inner_at;
-        }
+        for (int k = 0; k < W; ++k) dst[k] = target[locate<true>(first + k).index];
+        return;
       }
     }
+    load_chunk(dst, target, first);
   }
   template <int W, typename V>
   __device__ __forceinline__ static V times(const Values<W, V>& v, int k, V x) { return V(v.w[k]) * x; }
@@ -241,6 +270,9 @@ struct Weighted {
   __device__ __forceinline__ void begin(V& grad_scale, double, double grad_output) const {
     grad_scale = V(factor() * grad_output);
   }
+  // The target's layout where it broadcasts (LossProblem::broadcast_target); last, so the
+  // other members keep their places in the kernels' parameters.
+  ElementWeight broadcast_target;
 };
 
 // The vector width covers 16 bytes of the narrower operand; one chunk per
@@ -366,7 +398,8 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
-    this->load_pair(c, first);
+    load_chunk(c.input, this->input, first);
+    weights.template load_target<Loss>(c.target, this->target, first);
     weights.load(c.weight, first);
   }
 
@@ -498,7 +531,8 @@ struct ReducedLossBackwardOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, T
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
-    this->load_pair(c, first);
+    load_chunk(c.input, this->input, first);
+    weights.template load_target<Loss>(c.target, this->target, first);
     weights.load(c.weight, first);
   }
 

@@ -238,16 +238,22 @@ struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
 // their param is not rounded into the loss's dtype and has no inverse to precompute.
 // `in_domain`: the param's domain (the table's last column); NaN is in none.
 template <class Loss>
-struct TakesParamPerElement : std::false_type {};
+struct TakesParamPerElement : std::false_type {
+  static constexpr bool kTargetWhereItLies = false;
+};
 template <>
 struct TakesParamPerElement<PseudoHuberLoss> : std::true_type {
   template <typename T>
   __device__ __forceinline__ static bool in_domain(T c) { return c > T(0); }
+  static constexpr bool kTargetWhereItLies = false;
 };
 template <>
 struct TakesParamPerElement<QuantileLoss> : std::true_type {
   template <typename T>
   __device__ __forceinline__ static bool in_domain(T q) { return q >= T(0) && q <= T(1); }
+  // Several quantiles against a (..., 1) target: the weighted kernels read the target where
+  // it lies (LossProblem::broadcast_target), which only this loss's compile for.
+  static constexpr bool kTargetWhereItLies = true;
 };
 template <class Loss>
 struct TakesParamPerElement<Float32Math<Loss>> : TakesParamPerElement<Loss> {};

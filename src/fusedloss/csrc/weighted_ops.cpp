@@ -47,7 +47,16 @@ WeightedProblem prepare_weighted(const Tensor& input, const Tensor& target, cons
   STD_TORCH_CHECK(!param_per_element || (weight.has_value() && weight->defined()),
                   "fusedloss: param_per_element reads each element's param from the weight");
   WeightedProblem w;
-  w.ops = prepare(input, target, loss, param, autocast);
+  // Beside several quantiles, a target that broadcasts (the forecasting (..., 1)) is read
+  // where it lies (TakesParamPerElement::kTargetWhereItLies).
+  const bool quantiles = param_per_element && parse_loss(loss) == LossKind::kQuantile;
+  w.ops = prepare(input, target, loss, param, autocast, quantiles);
+  if (shape_of(w.ops.target) != w.ops.shape) {
+    const KernelWeight broadcast = laid_out(w.ops.target, w.ops.shape);
+    w.ops.target = broadcast.tensor;
+    w.ops.problem.target = broadcast.tensor.data_ptr();
+    w.ops.problem.broadcast_target = broadcast.layout;
+  }
   const ScalarType math = w.ops.loss_dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
   w.weight = as_kernel_weight(weight, w.ops.shape, math, w.ops.input);
   w.scale = as_device_scalar(scale, w.ops.input);
@@ -169,7 +178,8 @@ void weighted_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor grad_
   const Tensor go = as_dtype(grad_output, w.ops.loss_dtype);
   FUSEDLOSS_CUDA_CHECK(launch_weighted_reduced_loss_backward(
       w.ops.problem, go.data_ptr(), written_gradient(grad_input, w.ops.input),
-      written_gradient(grad_target, w.ops.target), written_gradient(grad_weight, w.ops.input, w.ops.loss_dtype),
+      written_gradient(grad_target, w.ops.input, w.ops.target.scalar_type()),
+      written_gradient(grad_weight, w.ops.input, w.ops.loss_dtype),
       backward_options(history_slot_index, true), current_stream(w.ops.input)));
 }
 

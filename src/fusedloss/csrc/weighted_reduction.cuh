@@ -24,14 +24,18 @@ void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
   op.weights.grad = grad_weight;
   op.weights.per_row = p.row_length > 0;
   op.weights.param_per_element = p.param_per_element;
+  op.weights.broadcast_target = p.broadcast_target;
 }
 
 // A param per element only for the losses that take one, given in the weight's place, with
-// no gradient of it to write and no rows.
+// no gradient of it to write and no rows; a target read where it lies only beside one, for
+// the losses compiled for it.
 template <class Loss>
 bool param_per_element_fits(const LossProblem& p, const void* grad_weight) {
-  return !p.param_per_element || (TakesParamPerElement<Loss>::value && grad_weight == nullptr &&
-                                  p.row_length == 0 && p.weight.weight != nullptr);
+  const bool target_fits = p.broadcast_target.weight == nullptr || TakesParamPerElement<Loss>::kTargetWhereItLies;
+  if (!p.param_per_element) return p.broadcast_target.weight == nullptr;
+  return TakesParamPerElement<Loss>::value && target_fits && grad_weight == nullptr && p.row_length == 0 &&
+         p.weight.weight != nullptr;
 }
 
 // The pass that sums each tile into `partials` and writes the gradients kGrads
