@@ -75,6 +75,7 @@ struct LossProblem {
   ElementWeight weight;
   DeviceScale scale;
   bool param_per_element = false;
+  ElementWeight broadcast_target;
   int64_t row_length = 0;
 };
 
@@ -208,6 +209,7 @@ struct LossProblem {
   ElementWeight weight;
   DeviceScale scale;
   bool param_per_element = false;
+  ElementWeight broadcast_target;
   int64_t row_length = 0;
 };
 
@@ -359,6 +361,10 @@ struct Unweighted {
   struct Values {};
   template <int W, typename T>
   __device__ __forceinline__ void load(Values<W, T>&, int64_t) const {}
+  template <class Loss, int W, typename Tgt>
+  __device__ __forceinline__ static void load_target(Tgt (&dst)[W], const Tgt* __restrict__ target, int64_t first) {
+    load_chunk(dst, target, first);
+  }
   template <int W, typename T>
   __device__ __forceinline__ static T times(const Values<W, T>&, int, T x) { return x; }
   template <class Loss, int W, typename T>
@@ -480,7 +486,8 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
 
   template <int W>
   __device__ __forceinline__ void load(Chunk<W>& c, int64_t first) const {
-    this->load_pair(c, first);
+    load_chunk(c.input, this->input, first);
+    weights.template load_target<Loss>(c.target, this->target, first);
     weights.load(c.weight, first);
   }
 
