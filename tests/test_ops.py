@@ -328,6 +328,16 @@ def test_functional_asks_for_no_fused_gradient_without_grad(device, name, monkey
     assert calls == [[False, False], [False, False], [True, False]]
 
 
+def test_a_weighted_forward_writes_gradients_from_a_quarter_of_the_threshold(monkeypatch):
+    """The weighted family's step is bound by host time below the plain threshold either
+    way: its forward writes the gradients from a quarter of it, the plain one's from it."""
+    x, y = torch.empty(1000), torch.empty(1000)  # 8000 bytes together
+    for threshold, plain, weighted in ((8000, True, True), (32000, False, True), (32004, False, False)):
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        assert routing.forward_writes_gradients(x, y, 1000) is plain
+        assert routing.forward_writes_gradients(x, y, 1000, weighted=True) is weighted
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
     """Below FUSED_GRADIENT_FROM_BYTES a step is bound by host time: no fused gradient,

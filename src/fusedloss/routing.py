@@ -48,10 +48,14 @@ _NO_GRADIENTS = [False, False]
 FUSED_GRADIENT_FROM_BYTES = 1 << 28
 
 
-def forward_writes_gradients(input: Tensor, target: Tensor, numel: int) -> bool:
+def forward_writes_gradients(input: Tensor, target: Tensor, numel: int, weighted: bool = False) -> bool:
+    # A weighted step runs the Python autograd and its weight's work: bound by host time
+    # either way below the plain threshold, so from a quarter of it the pass that saves a
+    # second read of the operands pays on the device (docs/design.md).
+    from_bytes = FUSED_GRADIENT_FROM_BYTES >> 2 if weighted else FUSED_GRADIENT_FROM_BYTES
     # A pair with one float64 operand is computed in float64 and its gradients converted:
     # the converted buffer is not the one backward could correct in place.
-    return (numel * (input.element_size() + target.element_size()) >= FUSED_GRADIENT_FROM_BYTES
+    return (numel * (input.element_size() + target.element_size()) >= from_bytes
             and (input.dtype == torch.float64) == (target.dtype == torch.float64))
 
 

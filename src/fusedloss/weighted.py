@@ -141,7 +141,7 @@ def _forward_gradients(loss: str, param: float, reduction: str, input: Tensor, t
     """Which operands' gradients the forward's pass writes (None: none), for the grad_output
     expected (grad_output_prediction), and the backward's history slot."""
     if not ((input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
-            and routing.forward_writes_gradients(input, target, numel)):
+            and routing.forward_writes_gradients(input, target, numel, weighted=True)):
         return None, -1, 1.0
     slot, expected, mispredicted = grad_output_prediction.predict(loss, param, reduction, input, target, weight,
                                                                   family="weighted")
