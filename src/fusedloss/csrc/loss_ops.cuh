@@ -164,17 +164,16 @@ struct Weighted {
     return {index, inner_at};
   }
 
-  // Elements first .. first + W - 1 of the weight (or, kTarget, the target), laid out in at
-  // least one run: one load (a vector load, or W loads of neighbours) for a chunk within
-  // the innermost run, else a walk that locates each run it enters.
-  template <bool kTarget, int W, typename S>
+  // Elements first .. first + W - 1 of the weight, laid out in at least one run: one load (a
+  // vector load, or W loads of neighbours) for a chunk within the innermost run, else a walk
+  // that locates each run it enters.
+  template <int W, typename S>
   __device__ __forceinline__ void load_along_runs(S (&dst)[W], const S* src, int64_t first) const {
-    const ElementWeight& layout = kTarget ? broadcast_target : this->layout;
     if (layout.dense) {
       load_chunk(dst, src, first);
       return;
     }
-    WeightIndex where = locate<kTarget>(first);
+    WeightIndex where = locate(first);
     int64_t index = where.index, at = where.inner_at;
     if (at + W <= layout.size[0]) {
       if (layout.stride[0] == 0) {
@@ -197,7 +196,7 @@ struct Weighted {
         if (++at < layout.size[0]) {
           index += layout.stride[0];
         } else {
-          where = locate<kTarget>(first + k + 1);
+          where = locate(first + k + 1);
           index = where.index;
           at = where.inner_at;
         }
@@ -214,7 +213,7 @@ struct Weighted {
       for (int k = 0; k < W; ++k) v.w[k] = w;
       return;
     }
-    load_along_runs<false>(v.w, weight, first);
+    load_along_runs(v.w, weight, first);
   }
   // The target's chunk: where it lies (broadcast_target) for the quantile loss, so a
   // (..., 1) target against several quantiles is never expanded; else dense.

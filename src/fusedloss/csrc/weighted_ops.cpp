@@ -51,7 +51,7 @@ WeightedProblem prepare_weighted(const Tensor& input, const Tensor& target, cons
   // where it lies (TakesParamPerElement::kTargetWhereItLies).
   const bool quantiles = param_per_element && parse_loss(loss) == LossKind::kQuantile;
   w.ops = prepare(input, target, loss, param, autocast, quantiles);
-  if (shape_of(w.ops.target) != w.ops.shape) {
+  if (quantiles && shape_of(w.ops.target) != w.ops.shape) {
     const KernelWeight broadcast = laid_out(w.ops.target, w.ops.shape);
     w.ops.target = broadcast.tensor;
     w.ops.problem.target = broadcast.tensor.data_ptr();

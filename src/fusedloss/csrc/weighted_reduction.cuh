@@ -31,11 +31,11 @@ void set_weights(Op& op, const LossProblem& p, void* grad_weight) {
 // no gradient of it to write and no rows; a target read where it lies only beside one, for
 // the losses compiled for it.
 template <class Loss>
-bool param_per_element_fits(const LossProblem& p, const void* grad_weight) {
-  const bool target_fits = p.broadcast_target.weight == nullptr || TakesParamPerElement<Loss>::kTargetWhereItLies;
-  if (!p.param_per_element) return p.broadcast_target.weight == nullptr;
-  return TakesParamPerElement<Loss>::value && target_fits && grad_weight == nullptr && p.row_length == 0 &&
-         p.weight.weight != nullptr;
+bool weighted_problem_fits(const LossProblem& p, const void* grad_weight) {
+  const bool broadcast_target = p.broadcast_target.weight != nullptr;
+  if (!p.param_per_element) return !broadcast_target;
+  return TakesParamPerElement<Loss>::value && (!broadcast_target || TakesParamPerElement<Loss>::kTargetWhereItLies) &&
+         grad_weight == nullptr && p.row_length == 0 && p.weight.weight != nullptr;
 }
 
 // The pass that sums each tile into `partials` and writes the gradients kGrads
@@ -49,7 +49,7 @@ cudaError_t launch_weighted_pass(const LossProblem& p, double* partials, void* g
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossOp<decltype(loss), In, Tgt, kGrads>;
-    if (!param_per_element_fits<decltype(loss)>(p, grad_weight)) return cudaErrorInvalidValue;
+    if (!weighted_problem_fits<decltype(loss)>(p, grad_weight)) return cudaErrorInvalidValue;
     const int64_t tiles = num_tiles<Op>(p.numel);
     const bool per_row = p.row_length > 0;
     static_assert(kRowTilingMultiple % kTileElements<Op> == 0, "rows of kRowTilingMultiple are whole tiles");
@@ -86,7 +86,7 @@ cudaError_t launch_weighted_backward_pass(const LossProblem& p, const void* grad
     using In = decltype(in);
     using Tgt = decltype(tgt);
     using Op = WeightedReducedLossBackwardOp<decltype(loss), In, Tgt, kGrads>;
-    if (!param_per_element_fits<decltype(loss)>(p, grad_weight)) return cudaErrorInvalidValue;
+    if (!weighted_problem_fits<decltype(loss)>(p, grad_weight)) return cudaErrorInvalidValue;
     const int64_t tiles = num_tiles<Op>(p.numel);
     if (tiles == 0) return cudaSuccess;
     Op op = make_op<Op>(p);
