@@ -54,3 +54,18 @@ def test_gradient_is_tanh_with_grad_output(device):
     grad = torch.autograd.grad(out * 0.37, input)[0]
     expected = (input.detach().double() - target.double()).tanh() * 0.37
     torch.testing.assert_close(grad.double(), expected, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradient_where_the_branches_meet(device, dtype):
+    """|d| = 1 exactly, where the formula's two branches meet (common in 16-bit data): the
+    gradient is tanh(1) on every route, torch.func's too, not the 0 that a clamp's gradient
+    at its bound gives on some torch releases."""
+    input = torch.tensor([1.0, -1.0, 2.0, 0.0, 0.5], device=device, dtype=dtype, requires_grad=True)
+    target = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5], device=device, dtype=dtype)
+    expected = (input.detach().double() - target.double()).tanh().cpu()
+    rtol, atol = TOLERANCE[dtype]
+    grad = torch.autograd.grad(fusedloss.log_cosh_loss(input, target, reduction="sum"), input)[0]
+    torch.testing.assert_close(grad.double().cpu(), expected, rtol=rtol, atol=atol)
+    grad = torch.func.grad(lambda x: fusedloss.log_cosh_loss(x, target, reduction="sum"))(input.detach())
+    torch.testing.assert_close(grad.double().cpu(), expected, rtol=rtol, atol=atol)

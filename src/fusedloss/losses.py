@@ -151,7 +151,9 @@ def log_cosh_elementwise(input: Tensor, target: Tensor) -> Tensor:
     promoted dtype of the operands, broadcast first."""
     d = torch.sub(*torch.broadcast_tensors(input, target))
     z = d.to(torch.promote_types(d.dtype, torch.float32)).abs()
-    m = torch.expm1(z.clamp(max=1))
+    # z beyond 1 held at 1 in the near branch (whose expm1 would overflow into the gradient);
+    # not clamp(max=1), whose gradient at z = 1 itself is 0 on some torch releases
+    m = torch.expm1(z.masked_fill(z > 1, 1))
     near = torch.log1p(m * m / (2 * (1 + m)))
     far = z + torch.log1p(torch.exp(-2 * z)) - math.log(2)
     return torch.where(z <= 1, near, far).to(d.dtype)
