@@ -27,6 +27,12 @@ def loss_shape(input: Tensor, target: Tensor) -> torch.Size:
     return torch.broadcast_shapes(a, b)
 
 
+def mean_factor(scale: float, count: int) -> float:
+    """A mean's factor on a sum of `count` terms: scale / count, NaN for none (0 / 0, as
+    PyTorch's mean of nothing)."""
+    return scale / count if count else math.nan
+
+
 def check_weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
     """Raises unless the weight broadcasts to the loss's shape without widening it."""
     fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))

@@ -202,8 +202,7 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
     if reduction == "mean":
         factor = 1.0 if scale is None else scale
         if local_weight is None or LOSSES[loss].weighted_mean_over_count:
-            count = input.numel()
-            scale = factor / count if count else math.nan
+            scale = reductions.mean_factor(factor, input.numel())
         else:  # the weight's global sum, in the dtype the one-GPU mean sums it in
             dtype = torch.float32 if routing.under_autocast(input, target) else formulas.loss_dtype(
                 input.dtype, target.dtype, loss)
@@ -240,7 +239,7 @@ def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduc
     numel = math.prod(shape)
     if reduction == "mean":
         if weight is None or LOSSES[loss].weighted_mean_over_count:
-            host_scale = 1 / numel if numel else math.nan
+            host_scale = reductions.mean_factor(1.0, numel)
         else:
             loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
             divisor = reductions.expanded_weight_sum(weight, shape, tuple(range(len(shape))), loss_dtype)

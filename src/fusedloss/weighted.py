@@ -111,7 +111,7 @@ def _fused_weighted_loss(
     device_scale, host_scale = _device_and_host_scale(scale, input.device)
     if reduction == "mean":
         if weight is None or LOSSES[loss].weighted_mean_over_count:
-            host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
+            host_scale = reductions.mean_factor(host_scale, numel)
         elif pytorch_case:
             # The weight as given, also where the target broadcasts the loss to nothing.
             divisor = reductions.weight_sum(weight, result_dtype)
@@ -178,7 +178,7 @@ def fused_param_tensor_loss(loss: str, input: Tensor, target: Tensor, param: Ten
     device_scale, host_scale = _device_and_host_scale(scale, input.device)
     numel = shape.numel()
     if reduction == "mean":
-        host_scale = host_scale / numel if numel else math.nan  # 0 / 0, as PyTorch's mean of nothing
+        host_scale = reductions.mean_factor(host_scale, numel)
     # -1: no number param of these losses, so a history slot of its own
     operands, slot, expected = _forward_gradients(loss, -1.0, reduction, input, target, param, numel)
     output_mask = _NO_WEIGHTED_GRADIENTS if operands is None else [*operands, False]

@@ -85,16 +85,12 @@ Tensor maybe_weight_grad_buffer(const std::vector<bool>& output_mask, const Weig
 }
 
 // A weight constant along the dimensions after the first `kept_dims` (>= 0), rows of whole
-// tiles: the reduction sums each tile unweighted, and where output_mask[2] asks, returns each row's
-// sum of the loss (float64, of the kept dimensions' shape), from which autograd gives the
-// weight's gradient. Otherwise as maybe_weight_grad_buffer.
-Tensor weight_rows_or_grad_buffer(const std::vector<bool>& output_mask, int64_t kept_dims,
-                                  const std::optional<Tensor>& weight, WeightedProblem& w) {
-  if (kept_dims < 0) return maybe_weight_grad_buffer(output_mask, w);
+// tiles: sets the problem's row_length, so that the reduction's tiles lie within rows and
+// each tile's sum is one row's, and returns the kept dimensions' shape (one sum per row).
+Shape lay_out_weight_rows(int64_t kept_dims, const std::optional<Tensor>& weight, WeightedProblem& w) {
   const Shape& shape = w.ops.shape;
   STD_TORCH_CHECK(kept_dims <= int64_t(shape.size()), "fusedloss: weight_kept_dims exceeds the loss's dimensions");
   const Shape kept(shape.begin(), shape.begin() + kept_dims);
-  const int64_t rows = product(kept);
   const int64_t row_length = product(Shape(shape.begin() + kept_dims, shape.end()));
   STD_TORCH_CHECK(row_length % kRowTilingMultiple == 0, "fusedloss: weight_kept_dims leaves rows of ", row_length,
                   " elements; it takes rows of a multiple of ", kRowTilingMultiple);
@@ -106,10 +102,8 @@ Tensor weight_rows_or_grad_buffer(const std::vector<bool>& output_mask, int64_t 
                       "every later dimension");
     }
   }
-  if (rows > 0) w.ops.problem.row_length = row_length;
-  Tensor sums = empty(output_mask[2] ? kept : Shape{0}, ScalarType::Double, w.ops.input);
-  if (output_mask[2] && rows > 0 && row_length == 0) torch::stable::zero_(sums);  // no tile to sum: empty rows
-  return sums;
+  if (product(kept) > 0) w.ops.problem.row_length = row_length;
+  return kept;
 }
 
 // expected_grad_output as in reduced_loss (no history slot either: that is the backward's).
@@ -129,10 +123,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> weighted_loss(Tensor input, Tensor ta
   Tensor out = empty({}, w.ops.loss_dtype, operand);
   Tensor grad_input = maybe_grad_buffer(output_mask[0], w.ops.shape, operand.scalar_type(), operand);
   Tensor grad_target = maybe_grad_buffer(output_mask[1], w.ops.shape, w.ops.target.scalar_type(), operand);
-  Tensor grad_weight = weight_rows_or_grad_buffer(output_mask, weight_kept_dims, weight, w);
-  // Sums of empty rows are the zeros already written: nothing for the kernels to add.
-  const bool empty_rows = weight_kept_dims >= 0 && w.ops.problem.row_length == 0;
-  void* weight_gradient = empty_rows ? nullptr : data_or_null(grad_weight);
+  // The weight's gradient per element, or with weight_kept_dims, where output_mask[2] asks,
+  // the loss's sums per row (float64), from which autograd gives it.
+  Tensor grad_weight;
+  void* weight_gradient = nullptr;
+  if (weight_kept_dims < 0) {
+    grad_weight = maybe_weight_grad_buffer(output_mask, w);
+    weight_gradient = data_or_null(grad_weight);
+  } else {
+    const Shape kept = lay_out_weight_rows(weight_kept_dims, weight, w);
+    grad_weight = empty(output_mask[2] ? kept : Shape{0}, ScalarType::Double, operand);
+    if (w.ops.problem.row_length > 0) {
+      weight_gradient = data_or_null(grad_weight);
+    } else if (grad_weight.numel() > 0) {
+      torch::stable::zero_(grad_weight);  // empty rows: no tile adds to their sums
+    }
+  }
   const int64_t partials =
       std::max<int64_t>(1, weighted_reduced_loss_partials(w.ops.problem, weight_gradient != nullptr));
   Tensor partial_sums = empty({partials}, ScalarType::Double, operand);
