@@ -25,7 +25,11 @@
 #       --device-int128 (nvcc allows __int128 in device code by default on Linux);
 #       no --expt-relaxed-constexpr (NVRTC 12.1 has no such option; the code does not need it);
 #       minimal stand-ins for the C++ standard headers NVRTC lacks (<type_traits>, <cstdint>,
-#         <cfloat>, <cmath>, <algorithm>), defining only what the kernels use;
+#         <cfloat>, <cmath>, <algorithm>, <array>, <atomic>), defining only what the kernels use;
+#       the middling reduction's cooperative launch, a host-only function, calls a device-side
+#         declaration of the same signature instead (the kernel's address is taken as before,
+#         so NVRTC instantiates it), and the occupancy query is handed the kernel as the
+#         const void* of the device runtime's own declaration;
 #       load_inline's host prelude (torch/types.h, cuda.h, cuda_runtime.h) is left out.
 #     Not checked with CUDA 12.1: the host side of CUDA_SOURCE as nvcc 12.1's cudafe++/g++ pair
 #     would split and compile it (step 2 does that with nvcc 13.0).
@@ -352,10 +356,46 @@ template <class T> constexpr const T& min(const T& a, const T& b) { return b < a
 template <class T> constexpr const T& max(const T& a, const T& b) { return a < b ? b : a; }
 }  // namespace std
 EOF
+cat >"$WORK/nvrtc-std/array" <<'EOF'
+#pragma once
+namespace std {
+template <class T, unsigned long N> struct array {
+  T elems[N];
+  constexpr unsigned long size() const noexcept { return N; }
+  T& operator[](unsigned long i) noexcept { return elems[i]; }
+  const T& operator[](unsigned long i) const noexcept { return elems[i]; }
+};
+}  // namespace std
+EOF
+cat >"$WORK/nvrtc-std/atomic" <<'EOF'
+#pragma once
+// Only what the host launchers use; as device code they run on one thread per launch.
+namespace std {
+enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release, memory_order_seq_cst };
+template <class T> struct atomic {
+  T value;
+  T load(memory_order = memory_order_seq_cst) const noexcept { return value; }
+  void store(T v, memory_order = memory_order_seq_cst) noexcept { value = v; }
+};
+}  // namespace std
+EOF
+# The source as NVRTC takes it: the host-only cooperative launch and occupancy query replaced
+# (see the header), nothing else.
+"$PY" - "$WORK/source.cu" "$WORK/nvrtc_source.cu" <<'EOF'
+import re, sys
+src = open(sys.argv[1]).read()
+src = src.replace('cudaLaunchCooperativeKernel(', 'fusedloss_nvrtc_cooperative_launch(')
+src = re.sub(r'cudaOccupancyMaxActiveBlocksPerMultiprocessor\(([^,]+),\s*([^,]+),',
+             r'cudaOccupancyMaxActiveBlocksPerMultiprocessor(\1, reinterpret_cast<const void*>(\2),', src)
+stand_in = ('#include <cuda_runtime.h>\n'
+            'extern __device__ cudaError_t fusedloss_nvrtc_cooperative_launch(const void*, dim3, dim3, void**, '
+            'size_t, cudaStream_t);\n')
+open(sys.argv[2], 'w').write(stand_in + src)
+EOF
 
 step3() {
   local missing=() h
-  for h in $(grep -oE '^\s*#\s*include\s*<[^>.]+>' "$WORK/source.cu" | sed -E 's/.*<(.*)>/\1/' | sort -u); do
+  for h in $(grep -oE '^\s*#\s*include\s*<[^>.]+>' "$WORK/nvrtc_source.cu" | sed -E 's/.*<(.*)>/\1/' | sort -u); do
     [ -f "$WORK/nvrtc-std/$h" ] || [ -f "$CU121/include/$h" ] || missing+=("<$h>")
   done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -367,7 +407,7 @@ step3() {
     "-DTORCH_EXTENSION_NAME=$EXT_NAME" -DTORCH_API_INCLUDE_EXTENSION_H "${defs[@]}"
     "-I$WORK/nvrtc-std" "-I$CU121/include")
   local nv=(env "LD_LIBRARY_PATH=$CU121/lib" "$PY" "$WORK/nvrtc.py" "$CU121/lib/libnvrtc.so.12")
-  run_step nvrtc "${nv[@]}" "$WORK/source.cu" "$WORK/nvrtc.ptx" "${NVRTC_OPTS[@]}"
+  run_step nvrtc "${nv[@]}" "$WORK/nvrtc_source.cu" "$WORK/nvrtc.ptx" "${NVRTC_OPTS[@]}"
   read -r rc _ <"$WORK/nvrtc.rc"
   [ "$rc" = 0 ] || return
   run_step ptxas "$CU121/bin/ptxas" -arch=sm_90 -c -O3 -v "$WORK/nvrtc.ptx" -o "$WORK/nvrtc.cubin"
@@ -450,7 +490,9 @@ print(f'(for information) kernels with spill stores: ptxas 12.1 (NVRTC PTX, -rdc
 EOF
   tail -1 "$LOG" | sed 's/^/     /'
   if [ "$rc2" = 0 ]; then
-    if cmp -s "$WORK/nvrtc.ptx.entries" "$WORK/nvcc.entries"; then
+    # An anonymous namespace's mangled name carries the file's name: compared without it.
+    unnamed() { sed -E 's/[0-9]+_GLOBAL__N__[0-9a-f]+_[0-9]+_[a-z_]+_([0-9a-f]{8})/_GLOBAL__N__\1/' "$1" | sort; }
+    if cmp -s <(unnamed "$WORK/nvrtc.ptx.entries") <(unnamed "$WORK/nvcc.entries"); then
       say "PASS kernel sets agree: the $N3 kernels NVRTC 12.1 instantiated are the $N2 nvcc 13.0 compiled"
     else
       say "FAIL kernel sets differ: NVRTC 12.1 $N3, nvcc 13.0 $N2 (diff in log)"; FAILED=1
