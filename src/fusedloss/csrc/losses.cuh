@@ -96,6 +96,14 @@ struct HuberLoss {
   }
 };
 
+// sqrt(d^2 + c^2) where d^2 + c^2 is beyond the type while the root is not: hypot scales,
+// so a huge d keeps its finite loss and its gradient 2c * sign(d). Out of line: inlined,
+// this path that data almost never takes cost the bf16 pass a quarter of its time.
+template <typename T>
+__device__ __noinline__ T pseudo_huber_scaled_root(T d, T c) {
+  return hypot(d, c);
+}
+
 // Pseudo-Huber's root, sqrt(d^2 + c^2).
 template <typename T>
 struct PseudoHuberRoot {
@@ -104,10 +112,13 @@ struct PseudoHuberRoot {
     // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
     // backward's could contract d * d + c * c differently and round their gradients apart.
     const T square = fma(d, d, c * c);
-    // d^2 + c^2 beyond the type while the root is not: hypot scales, so a huge d keeps its
-    // finite loss and its gradient 2c * sign(d). The root and the divisions are IEEE's (the
-    // approximate ones would double the gradient's rounding error).
-    root = isinf(square) ? hypot(d, c) : sqrt(square);
+    // The root and the divisions are IEEE's (the approximate ones would double the
+    // gradient's rounding error).
+    if (__builtin_expect(isinf(square), 0)) {
+      root = pseudo_huber_scaled_root(d, c);
+    } else {
+      root = sqrt(square);
+    }
   }
 };
 
