@@ -331,6 +331,27 @@ def test_a_difference_whose_square_overflows(device, c, dtype):
     torch.testing.assert_close(grad.double(), grad64, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("c", [1e-30, "tensor"])
+def test_a_c_whose_square_underflows(device, c, dtype):
+    """c^2 below float32's smallest value: float64's loss and gradient (0 at d = 0), not the
+    0 / 0 and x / 0 of a root computed as 0."""
+    values = [0.0, 1e-31, -2e-30, 3e-29, 1.0]
+    input = torch.tensor(values, device=device).to(dtype).requires_grad_()
+    target = torch.zeros(len(values), dtype=dtype, device=device)
+    c = torch.full((len(values),), 1e-30, device=device) if c == "tensor" else c
+    out = fusedloss.pseudo_huber_loss(input, target, c, reduction="none")
+    grad = torch.autograd.grad(out.sum() * 1e30, input)[0]
+    input64 = input.detach().double().requires_grad_()
+    c64 = c.double() if isinstance(c, torch.Tensor) else c
+    out64 = fusedloss.pseudo_huber_loss(input64, target.double(), c64, reduction="none")
+    grad64 = torch.autograd.grad(out64.sum() * 1e30, input64)[0]
+    assert torch.isfinite(grad).all() and grad[0] == 0
+    # the losses, about d^2, are below the dtype's range: float64's rounded into it
+    torch.testing.assert_close(out, out64.to(dtype), rtol=TOLERANCE[dtype][0], atol=0)
+    torch.testing.assert_close(grad.double(), grad64, rtol=TOLERANCE[dtype][0], atol=0)
+
+
 @pytest.mark.parametrize("c", [0.5, "tensor"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_nan_and_inf_propagate_like_the_formula(device, reduction, c):

@@ -150,7 +150,7 @@ struct MseLoss {
   static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return d + d; }
 };
 
@@ -415,6 +415,7 @@ struct PairOp {
 
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
   using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
+  using GradOut = typename Promote<In, Tgt>::type;
 
   template <typename D, typename V>
   __device__ __forceinline__ static T in_dtype(const V& v) {
@@ -433,13 +434,13 @@ struct PairOp {
   }
   __device__ __forceinline__ T value(const In& x, const Tgt& y) const { return value(x, y, params()); }
   __device__ __forceinline__ T input_grad(const In& x, const Tgt& y, const Params& p) const {
-    return Loss::grad(diff_in<InputGradDtype>(x, y), p.input_grad);
+    return Loss::template grad<GradOut>(diff_in<InputGradDtype>(x, y), p.input_grad);
   }
   __device__ __forceinline__ T target_grad(const In& x, const Tgt& y, const Params& p) const {
     if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
       return -input_grad(x, y, p);
     } else {
-      return -Loss::grad(diff_in<TargetGradDtype>(x, y), p.target_grad);
+      return -Loss::template grad<GradOut>(diff_in<TargetGradDtype>(x, y), p.target_grad);
     }
   }
   __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor, const Params& p) const {

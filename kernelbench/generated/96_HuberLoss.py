@@ -153,7 +153,7 @@ struct SmoothL1Loss {
     const T z = fabs(d);
     return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
   }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {
     return d < -beta.value ? T(-1) : (d > beta.value ? T(1) : d * beta.inverse);
   }
@@ -420,6 +420,7 @@ struct PairOp {
 
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
   using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
+  using GradOut = typename Promote<In, Tgt>::type;
 
   template <typename D, typename V>
   __device__ __forceinline__ static T in_dtype(const V& v) {
@@ -438,13 +439,13 @@ struct PairOp {
   }
   __device__ __forceinline__ T value(const In& x, const Tgt& y) const { return value(x, y, params()); }
   __device__ __forceinline__ T input_grad(const In& x, const Tgt& y, const Params& p) const {
-    return Loss::grad(diff_in<InputGradDtype>(x, y), p.input_grad);
+    return Loss::template grad<GradOut>(diff_in<InputGradDtype>(x, y), p.input_grad);
   }
   __device__ __forceinline__ T target_grad(const In& x, const Tgt& y, const Params& p) const {
     if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
       return -input_grad(x, y, p);
     } else {
-      return -Loss::grad(diff_in<TargetGradDtype>(x, y), p.target_grad);
+      return -Loss::template grad<GradOut>(diff_in<TargetGradDtype>(x, y), p.target_grad);
     }
   }
   __device__ __forceinline__ In rounded_input_grad(const In& x, const Tgt& y, T factor, const Params& p) const {

@@ -128,9 +128,9 @@ LOSSES: dict[str, Loss] = {
 
 def pseudo_huber_elementwise(input: Tensor, target: Tensor, c: float | Tensor) -> Tensor:
     """2c(sqrt(d^2 + c^2) - c) in at least float32 (as diffusers casts first), written as the
-    kernels write it: 2c d^2 / (sqrt(d^2 + c^2) + c) where |d| <= c, which keeps small d's
-    digits. Returned in the promoted dtype of the operands, broadcast first as PyTorch's
-    losses are (a 0-d operand keeps its part in the promotion)."""
+    kernels write it: 2c d (d / (sqrt(d^2 + c^2) + c)) where |d| <= c, which keeps small d's
+    digits (a tiny d's d^2 would underflow). Returned in the promoted dtype of the operands,
+    broadcast first as PyTorch's losses are (a 0-d operand keeps its part in the promotion)."""
     d = torch.sub(*torch.broadcast_tensors(input, target))
     x = d.to(torch.promote_types(d.dtype, torch.float32))
     if isinstance(c, Tensor):
@@ -140,7 +140,7 @@ def pseudo_huber_elementwise(input: Tensor, target: Tensor, c: float | Tensor) -
     root = torch.hypot(x, c if isinstance(c, Tensor) else torch.as_tensor(c, dtype=x.dtype, device=x.device))
     inside = x.abs() <= c
     near_x = torch.where(inside, x, 0)
-    near = torch.where(inside, near_x * near_x / (root + c), root - c)
+    near = torch.where(inside, near_x * (near_x / (root + c)), root - c)
     return (2 * c * near).to(d.dtype)
 
 

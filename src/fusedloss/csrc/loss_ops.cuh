@@ -313,6 +313,8 @@ struct PairOp {
   // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
   using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
+  // The wider of the gradients' storage dtypes: the target's may be the input's, negated.
+  using GradOut = typename Promote<In, Tgt>::type;
 
   // v as PyTorch's kernels see it when they compute in dtype D (Huber's forward
   // narrows the target to the input's dtype; an fp16 gradient sees 1e30 as inf).
@@ -334,13 +336,13 @@ struct PairOp {
   }
   __device__ __forceinline__ T value(const In& x, const Tgt& y) const { return value(x, y, params()); }
   __device__ __forceinline__ T input_grad(const In& x, const Tgt& y, const Params& p) const {
-    return Loss::grad(diff_in<InputGradDtype>(x, y), p.input_grad);
+    return Loss::template grad<GradOut>(diff_in<InputGradDtype>(x, y), p.input_grad);
   }
   __device__ __forceinline__ T target_grad(const In& x, const Tgt& y, const Params& p) const {
     if constexpr (std::is_same_v<InputGradDtype, TargetGradDtype>) {
       return -input_grad(x, y, p);  // the same computation: let the compiler share it
     } else {
-      return -Loss::grad(diff_in<TargetGradDtype>(x, y), p.target_grad);
+      return -Loss::template grad<GradOut>(diff_in<TargetGradDtype>(x, y), p.target_grad);
     }
   }
   // The gradients times `factor`, each rounded once into its storage dtype.

@@ -23,7 +23,8 @@
 #include <type_traits>
 
 // `value` and `grad` (d loss / d input) follow PyTorch's kernels branch for
-// branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the loss's dtype.
+// branch, so NaN and the region boundaries land where PyTorch puts them. `Out` is the dtype
+// the result is stored in: the loss's, or the wider of the gradients'.
 // kParamInLossDtype: the param is rounded into the dtype the loss is computed in, as
 // PyTorch rounds beta and delta; fusedloss's own losses compute in at least float32 and
 // take it there, as their formulas in losses.py do.
@@ -49,7 +50,7 @@ struct MseLoss {
   static constexpr bool kParamInLossDtype = true;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return d * d; }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return d + d; }
 };
 
@@ -60,7 +61,7 @@ struct L1Loss {
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) { return fabs(d); }
   // torch.sgn: 0 at d == 0 and for NaN.
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return T((d > T(0)) - (d < T(0))); }
 };
 
@@ -74,7 +75,7 @@ struct SmoothL1Loss {
     const T z = fabs(d);
     return z < beta.value ? T(0.5) * z * z * beta.inverse : z - T(0.5) * beta.value;
   }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> beta) {
     return d < -beta.value ? T(-1) : (d > beta.value ? T(1) : d * beta.inverse);
   }
@@ -90,40 +91,67 @@ struct HuberLoss {
     const T z = fabs(d);
     return z < delta.value ? T(0.5) * z * z : delta.value * (z - T(0.5) * delta.value);
   }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> delta) {
     return d < -delta.value ? -delta.value : (d > delta.value ? delta.value : d);
   }
 };
 
-// sqrt(d^2 + c^2) where d^2 + c^2 is beyond the type while the root is not: hypot scales,
-// so a huge d keeps its finite loss and its gradient 2c * sign(d). Out of line: inlined
-// into the per-element loop, this path that data almost never takes slowed the pass.
+// The smallest normal and the largest finite value (<limits> is not among the headers the
+// KernelBench files' NVRTC has).
 template <typename T>
-__device__ __noinline__ T pseudo_huber_scaled_root(T d, T c) {
-  return hypot(d, c);
-}
-
-// Pseudo-Huber's root, sqrt(d^2 + c^2).
-template <typename T>
-struct PseudoHuberRoot {
-  T root;
-  __device__ __forceinline__ PseudoHuberRoot(T d, T c) {
-    // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
-    // backward's could contract d * d + c * c differently and round their gradients apart.
-    const T square = fma(d, d, c * c);
-    // The root and the divisions are IEEE's (the approximate ones would double the
-    // gradient's rounding error).
-    if (__builtin_expect(isinf(square), 0)) {
-      root = pseudo_huber_scaled_root(d, c);
-    } else {
-      root = sqrt(square);
-    }
-  }
+struct NormalRange;
+template <>
+struct NormalRange<float> {
+  static constexpr float kMin = 0x1p-126f, kMax = 0x1.fffffep127f;
+};
+template <>
+struct NormalRange<double> {
+  static constexpr double kMin = 0x1p-1022, kMax = 0x1.fffffffffffffp1023;
 };
 
+// Pseudo-Huber's parts: d / root, d / (root + c) and root - c, of root = sqrt(d^2 + c^2).
+template <typename T>
+struct PseudoHuberParts {
+  T slope, near_ratio, far;
+};
+
+// The parts where d^2 + c^2 is outside the type's normal range (or NaN), of d and c scaled by a
+// power of two, exactly: a huge d keeps its finite loss and its gradient 2c * sign(d), a tiny c
+// its finite gradient. Out of line: inlined into the per-element loop, this path that data
+// almost never takes slows the pass.
+template <typename T>
+__device__ __noinline__ PseudoHuberParts<T> pseudo_huber_scaled_parts(T d, T c) {
+  constexpr T kShrink = std::is_same_v<T, float> ? T(0x1p-66) : T(0x1p-514);
+  const bool big = fmax(fabs(d), c) > T(1);
+  const T scaled_d = d * (big ? kShrink : T(1) / kShrink), scaled_c = c * (big ? kShrink : T(1) / kShrink);
+  const T root = sqrt(fma(scaled_d, scaled_d, scaled_c * scaled_c));
+  return {scaled_d / root, scaled_d / (root + scaled_c), (root - scaled_c) * (big ? T(1) / kShrink : kShrink)};
+}
+
+// Where every result is stored in 16 bits (`Out`), float's approximate reciprocal square root
+// and division: their few ulps vanish in the rounding to 16 bits, and IEEE's operations would
+// make the 16-bit pass bound by its arithmetic. Elsewhere IEEE's (the approximate ones would
+// double a float32 gradient's rounding error).
+template <typename Out, typename T>
+__device__ __forceinline__ PseudoHuberParts<T> pseudo_huber_parts(T d, T c) {
+  // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
+  // backward's could contract d * d + c * c differently and round their gradients apart.
+  const T square = fma(d, d, c * c);
+  if (__builtin_expect(!(square >= NormalRange<T>::kMin && square <= NormalRange<T>::kMax), 0)) {
+    return pseudo_huber_scaled_parts(d, c);
+  }
+  if constexpr (std::is_same_v<T, float> && sizeof(Out) == 2) {
+    const float inverse = rsqrtf(square), root = square * inverse;
+    return {d * inverse, __fdividef(d, root + c), root - c};
+  } else {
+    const T root = sqrt(square);
+    return {d / root, d / (root + c), root - c};
+  }
+}
+
 // Diffusers' scheduled Huber and Charbonnier: 2c(sqrt(d^2 + c^2) - c), c > 0.
-// Within |d| <= c it is written 2c d^2 / (sqrt(d^2 + c^2) + c), the same value
+// Within |d| <= c it is written 2c d (d / (sqrt(d^2 + c^2) + c)), the same value
 // without the cancellation that loses small d's digits.
 struct PseudoHuberLoss {
   static constexpr bool kOutputHasInputDtype = false;
@@ -131,13 +159,13 @@ struct PseudoHuberLoss {
   static constexpr bool kParamInLossDtype = false;
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> c) {
-    const PseudoHuberRoot<T> r(d, c.value);
+    const PseudoHuberParts<T> parts = pseudo_huber_parts<Out>(d, c.value);
     const T twice_c = c.value + c.value;
-    return fabs(d) <= c.value ? twice_c * ((d * d) / (r.root + c.value)) : twice_c * (r.root - c.value);
+    return fabs(d) <= c.value ? twice_c * (d * parts.near_ratio) : twice_c * parts.far;
   }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> c) {
-    return (c.value + c.value) * (d / PseudoHuberRoot<T>(d, c.value).root);  // |d / root| <= 1: no overflow
+    return (c.value + c.value) * pseudo_huber_parts<Out>(d, c.value).slope;  // |slope| <= 1
   }
 };
 
@@ -184,7 +212,7 @@ struct LogCoshLoss {
       return z + log1p(exp(T(-2) * z)) - T(0.693147180559945309417232121458176568);
     }
   }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) {
     if constexpr (std::is_same_v<T, float>) {
       const float z = fabsf(d);
@@ -224,7 +252,7 @@ struct QuantileLoss {
     const PinballBranches<T> p(d, q.value);
     return isnan(p.above) || isnan(p.below) ? p.above + p.below : (p.above > p.below ? p.above : p.below);
   }
-  template <typename T>
+  template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> q) {
     const PinballBranches<T> p(d, q.value);
     if (p.above > p.below) return T(1) - q.value;
