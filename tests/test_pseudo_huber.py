@@ -332,6 +332,32 @@ def test_a_difference_whose_square_overflows(device, c, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("c", [0.5, "tensor"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_an_element_out_of_range_leaves_the_others_bits(device, reduction, c, dtype):
+    """The kernels test a chunk of elements at once and take a slower path for a chunk with a
+    d^2 + c^2 beyond float32: the other elements' losses and gradients keep their bits."""
+    n = 4099
+    input = torch.randn(n, device=device).to(dtype)
+    target = torch.randn(n, device=device).to(dtype)
+    c = torch.rand(n, device=device) + 0.1 if c == "tensor" else c
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.clone().requires_grad_()
+        out = fusedloss.pseudo_huber_loss(x, target, c, reduction=reduction)
+        return out, torch.autograd.grad(out, x, torch.full_like(out, 0.37))[0]
+
+    out, grad = run(input)
+    far = input.clone()
+    far[5] = 1e30
+    far_out, far_grad = run(far)
+    others = torch.arange(n, device=device) != 5
+    assert torch.equal(far_grad[others], grad[others])
+    if reduction == "none":
+        assert torch.equal(far_out[others], out[others])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("c", [1e-30, "tensor"])
 def test_a_c_whose_square_underflows(device, c, dtype):
     """c^2 below float32's smallest value: float64's loss and gradient (0 at d = 0), not the
