@@ -6,13 +6,13 @@
 # used, or an operator does not register.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-torch_version=${TORCH_VERSION:-2.14.1}
-venv=${CUDA_BUILD_VENV:-/tmp/fusedloss-ci-torch-$torch_version}
+source scripts/ci_torch.sh
+venv=$CUDA_BUILD_VENV
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q "torch==$torch_version" ninja
+"$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION" ninja
 "$venv/bin/python" -m pip install -q --no-deps -e .
 install=$("$venv/bin/python" -c "from fusedloss import build; print(build.toolkit_install_command())")
 echo "+ $install"
@@ -37,4 +37,4 @@ else  # no mount namespace: an explicit CUDA_HOME is the only place fusedloss th
     | tee "$work/build.log"
 fi
 grep -q "compiled with: .*/site-packages/nvidia/cu[0-9]*/bin/nvcc" "$work/build.log"
-echo "ci_cuda_build: kernels compiled for sm_90 with the pip nvcc against torch $torch_version; all operators registered"
+echo "ci_cuda_build: kernels compiled for sm_90 with the pip nvcc against torch $TORCH_VERSION; all operators registered"

@@ -8,8 +8,8 @@
 # them, and nothing was compiled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-torch_version=${TORCH_VERSION:-2.14.1}
-builder=${CUDA_BUILD_VENV:-/tmp/fusedloss-ci-torch-$torch_version}
+source scripts/ci_torch.sh
+builder=$CUDA_BUILD_VENV
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 if ! "$builder/bin/python" -c "from fusedloss import build; build.find_toolkit()" 2>/dev/null; then
@@ -29,7 +29,7 @@ esac
 python3 -m zipfile -l "$wheel" | grep -E "fusedloss/(_[a-z]+_kernels[^ ]*\.so|_kernels\.json)"
 
 python3 -m venv "$work/user"
-"$work/user/bin/python" -m pip install -q "torch==$torch_version" "$wheel"
+"$work/user/bin/python" -m pip install -q "torch==$TORCH_VERSION" "$wheel"
 printf '#!/bin/sh\nexit 1\n' > "$work/no-compiler"
 chmod +x "$work/no-compiler"
 mkdir "$work/cache"
@@ -55,4 +55,4 @@ if [ -n "$(ls -A "$work/cache")" ]; then
   echo "ci_wheel: something was compiled into TORCH_EXTENSIONS_DIR: $(ls "$work/cache")" >&2
   exit 1
 fi
-echo "ci_wheel: the wheel's kernels loaded with no compiler, against torch $torch_version; nothing compiled"
+echo "ci_wheel: the wheel's kernels loaded with no compiler, against torch $TORCH_VERSION; nothing compiled"
