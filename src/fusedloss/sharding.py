@@ -3,9 +3,9 @@ operands to the fused kernels on each rank's own shards.
 
 The common case (input, target and any weight alike in shape and placements, no scale
 tensor) skips DTensor's dispatch: ``on_local_shards`` runs the one-GPU path on the local
-shards, whose forward writes the gradients, and returns the ranks' partial sums as a
-``Partial`` DTensor, as DTensor's own reductions do (``full_tensor()`` adds them up; the
-backward needs no collective). Every other case goes through the operators and the rules
+shards, whose forward writes the gradients, in one autograd node, and returns the ranks'
+partial sums as a ``Partial`` DTensor, as DTensor's own reductions do (``full_tensor()``
+adds them up; the backward needs no collective). Every other case goes through the operators and the rules
 below, DTensor redistributing the operands where they are placed unalike.
 
 A rule offers, for each dimension of the loss's shape, the strategy that shards the loss
@@ -28,12 +28,15 @@ DTensor already shards.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor.experimental import register_sharding
 
@@ -172,6 +175,64 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
         reduction == "none" or build.use_kernels("weighted"))
 
 
+@functools.lru_cache(maxsize=256)
+def _spec(mesh, placements: tuple, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+    """A result's spec, built once per layout (as DTensor's dispatch caches its own)."""
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
+
+
+class _LossOfShards(torch.autograd.Function):
+    """The loss of each rank's local shards as a DTensor, in one autograd node: forward runs
+    the one-GPU path on the shards (its own graph, which writes the gradients where it can),
+    backward differentiates that graph with the gradient's local part. DTensor.to_local and
+    from_local would add a node per operand and for the result, each with host time on every
+    step. A double backward differentiates the same loss through them again."""
+
+    @staticmethod
+    def forward(ctx, input: DTensor, target: DTensor, local_loss: Callable[[Tensor, Tensor], Tensor],
+                placements: tuple, shape: torch.Size, stride: tuple[int, ...]) -> DTensor:
+        local_input = input._local_tensor.detach().requires_grad_(ctx.needs_input_grad[0])
+        local_target = target._local_tensor.detach().requires_grad_(ctx.needs_input_grad[1])
+        with torch.enable_grad():
+            out = local_loss(local_input, local_target)
+        ctx.operands, ctx.graph = (input, target), (local_input, local_target, out)
+        ctx.local_loss, ctx.placements, ctx.shape, ctx.stride = local_loss, placements, shape, stride
+        # built from its spec: DTensor.from_local would add an autograd node and its host time
+        return DTensor(out.detach(), _spec(input.device_mesh, placements, shape, stride, out.dtype), requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad_output: DTensor) -> tuple[DTensor | None, ...]:
+        input, target = ctx.operands
+        wanted = ctx.needs_input_grad[:2]
+        mesh = input.device_mesh
+        if torch.is_grad_enabled():  # create_graph: the loss again, differentiable through DTensor's nodes
+            with torch.enable_grad():
+                loss = DTensor.from_local(ctx.local_loss(input.to_local(), target.to_local()), mesh, ctx.placements,
+                                          run_check=False, shape=ctx.shape, stride=ctx.stride)
+            grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target), wanted) if w], grad_output,
+                                             create_graph=True))
+            return tuple(next(grads) if w else None for w in wanted) + (None,) * 4
+        # the gradient of a partial sum is replicated, as DTensor.from_local's backward has it
+        placements = tuple(Replicate() if p.is_partial() else p for p in ctx.placements)
+        if tuple(grad_output.placements) != placements:
+            grad_output = grad_output.redistribute(mesh, placements)
+        local_input, local_target, out = ctx.graph
+        # the shards' graph lives as long as this node: a retained graph's second backward finds it
+        grads = iter(torch.autograd.grad(out, [t for t, w in zip((local_input, local_target), wanted) if w],
+                                         grad_output._local_tensor, retain_graph=True))
+        return tuple(_gradient(next(grads), operand) if w else None
+                     for operand, w in zip((input, target), wanted)) + (None,) * 4
+
+
+def _gradient(local: Tensor, operand: DTensor) -> DTensor:
+    """An operand's gradient from its local part, placed and laid out as the operand is (its
+    spec's copy, as DTensor's own to_local backward makes it)."""
+    if local.stride() == operand._local_tensor.stride() and local.dtype == operand.dtype:
+        return DTensor(local, copy.copy(operand._spec), requires_grad=False)
+    return DTensor.from_local(local, operand.device_mesh, operand.placements, run_check=False, shape=operand.shape,
+                              stride=operand.stride())
+
+
 def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor | None,
                     scale: float | Tensor | None, reduction: str,
                     loss_of_shards: Callable[[Tensor, Tensor, str, Tensor | None, float | Tensor | None], Tensor]
@@ -194,9 +255,8 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
     mesh = input.device_mesh
     local_weight = None if weight is None else weight.to_local()
     if reduction == "none":
-        out = loss_of_shards(input.to_local(), target.to_local(), "none", local_weight, scale)
-        return DTensor.from_local(out, mesh, placements, run_check=False, shape=input.shape,
-                                  stride=torch.empty(input.shape, device="meta").stride())
+        return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
+                                   tuple(placements), input.shape, torch.empty(input.shape, device="meta").stride())
     # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
     if reduction == "mean":
@@ -211,8 +271,8 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
             total = DTensor.from_local(reductions.weight_sum(local_weight, dtype), mesh, parts, run_check=False,
                                        shape=torch.Size(()), stride=()).full_tensor()
             scale = factor / total
-    partial = loss_of_shards(input.to_local(), target.to_local(), "sum", local_weight, scale)
-    return DTensor.from_local(partial, mesh, parts, run_check=False, shape=torch.Size(()), stride=())
+    return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale),
+                               tuple(parts), torch.Size(()), ())
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
