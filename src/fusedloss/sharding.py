@@ -195,14 +195,15 @@ class _LossOfShards(torch.autograd.Function):
         local_target = target._local_tensor.detach().requires_grad_(ctx.needs_input_grad[1])
         with torch.enable_grad():
             out = local_loss(local_input, local_target)
-        ctx.operands, ctx.graph = (input, target), (local_input, local_target, out)
+        # saved, not kept on ctx: autograd frees them after a backward that does not retain the graph
+        ctx.save_for_backward(input, target, local_input, local_target, out)
         ctx.local_loss, ctx.placements, ctx.shape, ctx.stride = local_loss, placements, shape, stride
         # built from its spec: DTensor.from_local would add an autograd node and its host time
         return DTensor(out.detach(), _spec(input.device_mesh, placements, shape, stride, out.dtype), requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad_output: DTensor) -> tuple[DTensor | None, ...]:
-        input, target = ctx.operands
+        input, target, local_input, local_target, out = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:2]
         mesh = input.device_mesh
         if torch.is_grad_enabled():  # create_graph: the loss again, differentiable through DTensor's nodes
@@ -216,8 +217,8 @@ class _LossOfShards(torch.autograd.Function):
         placements = tuple(Replicate() if p.is_partial() else p for p in ctx.placements)
         if tuple(grad_output.placements) != placements:
             grad_output = grad_output.redistribute(mesh, placements)
-        local_input, local_target, out = ctx.graph
-        # the shards' graph lives as long as this node: a retained graph's second backward finds it
+        # the shards' graph is kept as long as this node's saved tensors: a retained graph's
+        # second backward finds it
         grads = iter(torch.autograd.grad(out, [t for t, w in zip((local_input, local_target), wanted) if w],
                                          grad_output._local_tensor, retain_graph=True))
         return tuple(_gradient(next(grads), operand) if w else None
