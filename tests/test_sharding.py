@@ -275,6 +275,60 @@ def _per_sample_worker(rank, init_file, results_dir):
                 failures.append(f"{loss} {reduction} {placement}: {type(error).__name__}: {str(error)[:300]}")
 
 
+def _graph_worker(rank, init_file, results_dir):
+    """The local shards' route as autograd sees it: its saved graph freed by a backward that
+    does not retain it, a retained graph's second backward, and a double backward, against
+    full tensors (float64, unevenly sharded)."""
+    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        import fusedloss
+        from fusedloss import sharding
+        taken = []
+        on_local_shards = sharding.on_local_shards
+        sharding.on_local_shards = lambda *args: (lambda out: out if out is None else taken.append(1) or out)(
+            on_local_shards(*args))
+        x, y, g = (torch.randn(7, 5, dtype=torch.float64) for _ in range(3))
+        for reduction in ("mean", "sum", "none"):
+            try:
+                dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+                dy, dg = (distribute_tensor(t, mesh, [Shard(0)]) for t in (y, g))
+
+                def scalar(a, b, g):
+                    out = fusedloss.smooth_l1_loss(a * 1, b, beta=0.7, reduction=reduction)
+                    return out, (out if reduction != "none" else (out * g).sum())
+
+                out, loss = scalar(dx, dy, dg)
+                node = out.grad_fn
+                saves = len(node.saved_tensors) > 0
+                first = torch.autograd.grad(loss, dx, retain_graph=True)[0]
+                second = torch.autograd.grad(loss, dx)[0]
+                assert torch.equal(first.full_tensor(), second.full_tensor()), "retained graph"
+                try:  # what the loss's node saved, autograd has freed
+                    assert not (saves and node.saved_tensors), "saved tensors outlive a backward"
+                except RuntimeError:
+                    pass
+                kept = [name for name, value in getattr(node, "__dict__", {}).items()
+                        if any(isinstance(v, torch.Tensor) for v in (value if isinstance(value, tuple) else (value,)))]
+                assert not kept, f"the loss's node keeps tensors past its backward: {kept}"
+                fx = x.clone().requires_grad_()
+                torch.testing.assert_close(first.full_tensor(), torch.autograd.grad(scalar(fx, y, g)[1], fx)[0])
+                slope, = torch.autograd.grad(scalar(dx, dy, dg)[1], dx, create_graph=True)
+                curvature, = torch.autograd.grad((slope * slope).sum(), dx)
+                full_slope, = torch.autograd.grad(scalar(fx, y, g)[1], fx, create_graph=True)
+                full_curvature, = torch.autograd.grad((full_slope * full_slope).sum(), fx)
+                torch.testing.assert_close(curvature.full_tensor(), full_curvature)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{reduction}: {type(error).__name__}: {str(error)[:300]}")
+        if len(taken) != 6:
+            failures.append(f"the local shards' route took {len(taken)} of 6 calls")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_the_local_shards_graph_is_freed_retained_and_differentiated_twice(tmp_path):
+    _spawn_two_cpu_ranks(_graph_worker, tmp_path)
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 def test_the_per_sample_operator_takes_dtensors(tmp_path):
     _spawn_two_cpu_ranks(_per_sample_worker, tmp_path)

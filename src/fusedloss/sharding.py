@@ -199,7 +199,8 @@ class _LossOfShards(torch.autograd.Function):
         ctx.save_for_backward(input, target, local_input, local_target, out)
         ctx.local_loss, ctx.placements, ctx.shape, ctx.stride = local_loss, placements, shape, stride
         # built from its spec: DTensor.from_local would add an autograd node and its host time
-        return DTensor(out.detach(), _spec(input.device_mesh, placements, shape, stride, out.dtype), requires_grad=False)
+        spec = _spec(input.device_mesh, placements, shape, stride, out.dtype)
+        return DTensor(out.detach(), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad_output: DTensor) -> tuple[DTensor | None, ...]:
