@@ -5,8 +5,9 @@ The common case (input, target and any weight alike in shape and placements, no 
 tensor) skips DTensor's dispatch: ``on_local_shards`` runs the one-GPU path on the local
 shards, whose forward writes the gradients, in one autograd node, and returns the ranks'
 partial sums as a ``Partial`` DTensor, as DTensor's own reductions do (``full_tensor()``
-adds them up; the backward needs no collective). Every other case goes through the operators and the rules
-below, DTensor redistributing the operands where they are placed unalike.
+adds them up; the backward needs no collective). Every other case goes through the
+operators and the rules below, DTensor redistributing the operands where they are placed
+unalike.
 
 A rule offers, for each dimension of the loss's shape, the strategy that shards the loss
 along it: an operand that spans that dimension is sharded along its own matching
@@ -227,12 +228,11 @@ class _LossOfShards(torch.autograd.Function):
 
 
 def _gradient(local: Tensor, operand: DTensor) -> DTensor:
-    """An operand's gradient from its local part, placed and laid out as the operand is (its
-    spec's copy, as DTensor's own to_local backward makes it)."""
-    if local.stride() == operand._local_tensor.stride() and local.dtype == operand.dtype:
-        return DTensor(local, copy.copy(operand._spec), requires_grad=False)
-    return DTensor.from_local(local, operand.device_mesh, operand.placements, run_check=False, shape=operand.shape,
-                              stride=operand.stride())
+    """An operand's gradient from its local part, placed and laid out as the operand is, with a
+    copy of its spec (as DTensor's own to_local backward makes it)."""
+    if local.stride() != operand._local_tensor.stride():  # rare: into the layout the spec describes
+        local = torch.empty_like(operand._local_tensor).copy_(local)
+    return DTensor(local, copy.copy(operand._spec), requires_grad=False)
 
 
 def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor | None,
