@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-
+import os
 import secrets
+import sys
 
 import pytest
 import torch
@@ -169,7 +170,12 @@ def heavy_tailed(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
 def process_group(rank: int, world: int, init_file: str, device: str = "cpu"):
     """A spawned rank's process group: gloo on the CPU, NCCL with one card per rank. A rank
     that waits on a collective longer than two minutes fails rather than hangs, and at the
-    end the ranks meet before any tears the group down."""
+    end the ranks meet before any tears the group down.
+
+    A rank whose body finished leaves at once, with its results written: gloo's worker
+    threads can release a finished collective's tensors after the interpreter has begun to
+    shut down, and taking the GIL then aborts the process (torch's teardown race, not the
+    test's). A rank that raised unwinds as usual, so spawn reports its error."""
     import torch.distributed as dist
 
     if device == "cuda":
@@ -181,6 +187,9 @@ def process_group(rank: int, world: int, init_file: str, device: str = "cpu"):
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def broadcast_warning(name: str, input, target):
