@@ -339,7 +339,7 @@ def _sharded(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tens
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     if sharding.applies(input, target, weight, scale, reduction):
-        out = sharding.on_local_shards(kernel_loss, input, target, weight, scale, reduction,
+        out = sharding.on_local_shards(kernel_loss, param, input, target, weight, scale, reduction,
                                        lambda i, t, r, w, s: _loss(name, i, t, None, None, r, param, w, s))
         if out is not None:
             return out

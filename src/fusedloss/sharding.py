@@ -187,18 +187,21 @@ class _LossOfShards(torch.autograd.Function):
     the one-GPU path on the shards (its own graph, which writes the gradients where it can),
     backward differentiates that graph with the gradient's local part. DTensor.to_local and
     from_local would add a node per operand and for the result, each with host time on every
-    step. A double backward differentiates the same loss through them again."""
+    step. A double backward differentiates the same loss again on the operators' route
+    (``again``), through DTensor's dispatch: on torch 2.10, to_local's and from_local's
+    backward cut the graph, and a second derivative through them would be missing."""
 
     @staticmethod
     def forward(ctx, input: DTensor, target: DTensor, local_loss: Callable[[Tensor, Tensor], Tensor],
-                placements: tuple, shape: torch.Size, stride: tuple[int, ...]) -> DTensor:
+                again: Callable[[DTensor, DTensor], DTensor], placements: tuple, shape: torch.Size,
+                stride: tuple[int, ...]) -> DTensor:
         local_input = input._local_tensor.detach().requires_grad_(ctx.needs_input_grad[0])
         local_target = target._local_tensor.detach().requires_grad_(ctx.needs_input_grad[1])
         with torch.enable_grad():
             out = local_loss(local_input, local_target)
         # saved, not kept on ctx: autograd frees them after a backward that does not retain the graph
         ctx.save_for_backward(input, target, local_input, local_target, out)
-        ctx.local_loss, ctx.placements, ctx.shape, ctx.stride = local_loss, placements, shape, stride
+        ctx.again, ctx.placements = again, placements
         # built from its spec: DTensor.from_local would add an autograd node and its host time
         spec = _spec(input.device_mesh, placements, shape, stride, out.dtype)
         return DTensor(out.detach(), spec, requires_grad=False)
@@ -208,13 +211,12 @@ class _LossOfShards(torch.autograd.Function):
         input, target, local_input, local_target, out = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:2]
         mesh = input.device_mesh
-        if torch.is_grad_enabled():  # create_graph: the loss again, differentiable through DTensor's nodes
+        if torch.is_grad_enabled():  # create_graph: the loss again, on a route autograd sees whole
             with torch.enable_grad():
-                loss = DTensor.from_local(ctx.local_loss(input.to_local(), target.to_local()), mesh, ctx.placements,
-                                          run_check=False, shape=ctx.shape, stride=ctx.stride)
+                loss = ctx.again(input, target)
             grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target), wanted) if w], grad_output,
                                              create_graph=True))
-            return tuple(next(grads) if w else None for w in wanted) + (None,) * 4
+            return tuple(next(grads) if w else None for w in wanted) + (None,) * 5
         # the gradient of a partial sum is replicated, as DTensor.from_local's backward has it
         placements = tuple(Replicate() if p.is_partial() else p for p in ctx.placements)
         if tuple(grad_output.placements) != placements:
@@ -224,7 +226,7 @@ class _LossOfShards(torch.autograd.Function):
         grads = iter(torch.autograd.grad(out, [t for t, w in zip((local_input, local_target), wanted) if w],
                                          grad_output._local_tensor, retain_graph=True))
         return tuple(_gradient(next(grads), operand) if w else None
-                     for operand, w in zip((input, target), wanted)) + (None,) * 4
+                     for operand, w in zip((input, target), wanted)) + (None,) * 5
 
 
 def _gradient(local: Tensor, operand: DTensor) -> DTensor:
@@ -235,7 +237,7 @@ def _gradient(local: Tensor, operand: DTensor) -> DTensor:
     return DTensor(local, copy.copy(operand._spec), requires_grad=False)
 
 
-def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor | None,
+def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, weight: Tensor | None,
                     scale: float | Tensor | None, reduction: str,
                     loss_of_shards: Callable[[Tensor, Tensor, str, Tensor | None, float | Tensor | None], Tensor]
                     ) -> DTensor | None:
@@ -256,9 +258,11 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
         raise ValueError(f"{reduction} is not a valid value for reduction")
     mesh = input.device_mesh
     local_weight = None if weight is None else weight.to_local()
+    again = functools.partial(sharded_loss, loss, param, reduction=reduction, weight=weight, scale=scale)
     if reduction == "none":
         return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
-                                   tuple(placements), input.shape, torch.empty(input.shape, device="meta").stride())
+                                   again, tuple(placements), input.shape,
+                                   torch.empty(input.shape, device="meta").stride())
     # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
     if reduction == "mean":
@@ -274,7 +278,7 @@ def on_local_shards(loss: str, input: DTensor, target: DTensor, weight: Tensor |
                                        shape=torch.Size(()), stride=()).full_tensor()
             scale = factor / total
     return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale),
-                               tuple(parts), torch.Size(()), ())
+                               again, tuple(parts), torch.Size(()), ())
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
