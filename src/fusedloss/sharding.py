@@ -171,8 +171,9 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
             return False
         if isinstance(extra, Tensor) and extra.requires_grad and not isinstance(extra, DTensor):
             return False  # a plain tensor's gradient cannot come back from DTensor's
-    # a mean or sum runs on the weighted family's operator (its global divisor)
-    return routing.kernels_apply(input.to_local(), target.to_local()) and (
+    # a mean or sum runs on the weighted family's operator (its global divisor); the local
+    # tensors as they lie: to_local would add an autograd node to each step, for a check
+    return routing.kernels_apply(input._local_tensor, target._local_tensor) and (
         reduction == "none" or build.use_kernels("weighted"))
 
 
@@ -257,7 +258,7 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
     if reduction not in routing.MODES:
         raise ValueError(f"{reduction} is not a valid value for reduction")
     mesh = input.device_mesh
-    local_weight = None if weight is None else weight.to_local()
+    local_weight = None if weight is None else weight._local_tensor  # it takes no gradient
     again = functools.partial(sharded_loss, loss, param, reduction=reduction, weight=weight, scale=scale)
     if reduction == "none":
         return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
