@@ -32,8 +32,8 @@ def _kernel_devices(fn) -> set[int]:
     """The devices fusedloss's kernels ran on while `fn` ran, from the profiler's trace."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         fn()
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
     devices = {event.device_index for event in profile.events()
                if event.device_type == torch.autograd.DeviceType.CUDA and "fusedloss" in event.name}
     assert devices, "no fusedloss kernel in the trace"
@@ -63,6 +63,33 @@ def test_operands_on_cuda1_are_computed_on_cuda1(name, reduction):
     ref.backward(torch.full_like(ref, 0.5))
     torch.testing.assert_close(input.grad.double(), i64.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(target.grad.double(), t64.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_default_device_keeps_the_kernels(name, reduction, weighted, monkeypatch):
+    """torch.set_default_device and ``with torch.device(...)`` are torch function modes that
+    only place the tensors factory functions make: under them the kernels still run, with the
+    same bits as without."""
+    monkeypatch.setattr(routing, "pytorch_serves_the_step", lambda *args: False)
+    input = heavy_tailed((1000, 37), device="cuda").requires_grad_()
+    target = heavy_tailed((1000, 37), device="cuda")
+    weight = torch.rand(1, 37, device="cuda") if weighted else None
+
+    def step():
+        input.grad = None
+        out = LOSSES[name][0](input, target, reduction=reduction, weight=weight, **loss_kwargs(name, PARAMS[name]))
+        out.backward(torch.full_like(out, 0.5))
+        return out.detach(), input.grad
+
+    expected = step()
+    for place in ("cuda", "cpu", "meta"):
+        results = []
+        with torch.device(place):
+            assert _kernel_devices(lambda: results.extend(step())) == {0}
+        for got, want in zip(results, expected):
+            assert torch.equal(got, want)
 
 
 @requires_two_gpus

@@ -146,6 +146,23 @@ def test_one_quantile_in_any_form_is_the_fused_number(device):
         torch.testing.assert_close(fusedloss.quantile_loss(x, t, form), one)
 
 
+@pytest.mark.parametrize("place", ["meta", "cpu"])
+def test_a_default_device_places_nothing_of_the_loss(device, place):
+    """Under ``with torch.device(...)`` (torch.set_default_device) the quantiles of a sequence
+    are still made on the host and moved to the operands' device: the same loss and gradient."""
+    input = heavy_tailed((16, 24, len(QUANTILES)), device=device).requires_grad_()
+    target = heavy_tailed((16, 24, 1), device=device)
+    results = []
+    for context in (torch.device(place), torch.device(device)):
+        with context:
+            out = fusedloss.quantile_loss(input, target, QUANTILES)
+            grad, = torch.autograd.grad(out, input)
+        results.append((out, grad))
+    (out, grad), (expected, expected_grad) = results
+    assert torch.equal(out, expected) and torch.equal(grad, expected_grad)
+    _close(out, pinball64(input, target, QUANTILES).mean())
+
+
 def test_a_sequence_is_kept_on_the_device_once():
     """The same quantiles give the same device tensor: a step copies nothing to the GPU."""
     x = torch.randn(2, 3)

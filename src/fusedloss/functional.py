@@ -441,7 +441,8 @@ def _checked_quantiles(values: tuple[float, ...]) -> tuple[float, ...]:
 
 @functools.lru_cache(maxsize=64)
 def _quantile_tensor(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    host = torch.tensor(_checked_quantiles(values), dtype=dtype)
+    # on the host whatever torch.set_default_device says: only host memory is pinned
+    host = torch.tensor(_checked_quantiles(values), dtype=dtype, device="cpu")
     if device.type == "cuda":
         host = host.pin_memory()  # copied without waiting for the GPU
     return host.to(device, non_blocking=True)

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import _reduction
-from torch.overrides import has_torch_function_variadic
 
-from . import reductions
+from . import reductions, routing
 from .reductions import Dims
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
@@ -42,7 +41,7 @@ def checks_without_sync(input: Tensor, target: Tensor, var: Tensor | float) -> b
     """Whether a negative variance is reported as NaN (a tensor on a GPU, where PyTorch's
     check would wait for it) rather than PyTorch's ValueError."""
     return (isinstance(var, Tensor) and var.device.type != "cpu"
-            and not has_torch_function_variadic(input, target, var))
+            and routing.no_torch_function(input, target, var))
 
 
 def gaussian_nll_elementwise(input: Tensor, target: Tensor, var: Tensor, full: bool, eps: float,

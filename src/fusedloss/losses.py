@@ -167,7 +167,8 @@ def quantile_elementwise(input: Tensor, target: Tensor, q: float | Tensor) -> Te
     input, target = torch.broadcast_tensors(input, target)
     e = target - input
     x = e.to(torch.promote_types(e.dtype, torch.float32))
-    q = q.to(torch.promote_types(q.dtype, x.dtype)) if isinstance(q, Tensor) else torch.tensor(q, dtype=x.dtype)
+    q = (q.to(torch.promote_types(q.dtype, x.dtype)) if isinstance(q, Tensor)
+         else torch.tensor(q, dtype=x.dtype, device=x.device))
     return torch.maximum((q - 1) * x, q * x).to(e.dtype)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.overrides import has_torch_function_variadic
 
 from . import ops, routing
 from .losses import pseudo_huber_elementwise, reduced
@@ -69,6 +68,6 @@ def _bounded(root: Tensor) -> Tensor:
 def pseudo_huber_formula(input: Tensor, target: Tensor, c: float | Tensor, reduction: str = "none") -> Tensor:
     input, target = ops.as_computed(input, target, routing.under_autocast(input, target, input.device.type))
     if (isinstance(c, Tensor) and not torch.compiler.is_compiling() and not routing.under_a_transform()
-            and not has_torch_function_variadic(input, target, c)):
+            and routing.no_torch_function(input, target, c)):
         return PseudoHuberWithTensorC.apply(input, target, c, reduction)
     return reduced(pseudo_huber_elementwise(input, target, c), reduction)

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 from torch.nn import _reduction
-from torch.overrides import has_torch_function_variadic
+from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
+from torch.utils._device import DeviceContext
 
 from . import build, grad_output_prediction, ops
 from .losses import LOSSES, Loss
@@ -40,6 +41,7 @@ MODES = ("mean", "sum", "none")
 # where autocast may run (torch.is_autocast_enabled raises for others, such as meta)
 _AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
 _NO_GRADIENTS = [False, False]
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 # From operands of this many bytes on (both together), a mean or sum writes its
 # gradient in the forward pass, for the grad_output it expects (grad_output_prediction).
 # Below, a step is bound by host time, not memory: backward computes the gradient
@@ -75,7 +77,7 @@ def kernels_apply(input: Tensor, target: Tensor) -> bool:
         not torch.compiler.is_compiling()
         and isinstance(input, Tensor)
         and isinstance(target, Tensor)
-        and not has_torch_function_variadic(input, target)
+        and no_torch_function(input, target)
         and input.is_cuda
         and input.dtype in KERNEL_DTYPES
         and target.dtype in KERNEL_DTYPES
@@ -83,6 +85,16 @@ def kernels_apply(input: Tensor, target: Tensor) -> bool:
         and not under_a_transform()
         and build.use_kernels()
     )
+
+
+def no_torch_function(*operands: object) -> bool:
+    """No __torch_function__ to honour: no tensor subclass among `operands`, and no torch
+    function mode but torch.device's (torch.set_default_device, ``with torch.device(...)``),
+    which only places the tensors that factory functions make; fusedloss places its own."""
+    if not has_torch_function_variadic(*operands):
+        return True
+    return (all(type(t) in _PLAIN_TENSORS for t in operands if isinstance(t, Tensor))
+            and all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack()))
 
 
 def under_a_transform() -> bool:

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torch.nn import _reduction
-from torch.overrides import has_torch_function_variadic
 
 from . import build, formulas, grad_output_prediction, ops, reductions, routing
 from .losses import LOSSES, Loss
@@ -29,13 +28,13 @@ def _fused_weighted_applies(input: Tensor, target: Tensor, weight: Tensor | None
     real dtype but float64 with narrower operands (they hold it in float32)."""
     weight_fits = weight is None or (
         isinstance(weight, Tensor)
-        and not has_torch_function_variadic(weight)
+        and routing.no_torch_function(weight)
         and weight.device == input.device
         and not weight.is_complex()
         and (weight.dtype != torch.float64 or loss_dtype == torch.float64)
     )
     scale_fits = not isinstance(scale, Tensor) or (
-        not has_torch_function_variadic(scale)
+        routing.no_torch_function(scale)
         and (scale.device == input.device or scale.device.type == "cpu")
         and not scale.is_complex()
         and not _needs_grad(scale)
