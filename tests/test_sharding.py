@@ -25,6 +25,8 @@ from conftest import LOSSES, process_group
 
 SHAPE = (7, 5, 3)  # uneven over 2 and 4 ranks along every dimension
 MESHES = {"cpu": ((4,), (2, 2)), "cuda": ((2,), (1, 2))}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                reason="needs two CUDA devices"))]
 
 
 def _cases(device):
@@ -158,36 +160,43 @@ def _worker(rank, device, init_file, results_dir):
 
 
 @contextlib.contextmanager
-def _two_cpu_ranks(rank, init_file, results_dir):
-    """A spawned rank of two on gloo, through fusedloss's CPU operators: yields a 1-D mesh
-    and the list of failures, which goes to the rank's results file at the end."""
-    with process_group(rank, 2, init_file):
+def _two_ranks(rank, device, init_file, results_dir):
+    """A spawned rank of two: gloo through fusedloss's CPU operators, or NCCL on the CUDA
+    kernels with one card per rank and CUDA as the default device (which keeps the kernels:
+    a default device only places new tensors). Yields a 1-D mesh and the list of failures,
+    which goes to the rank's results file at the end."""
+    with process_group(rank, 2, init_file, device):
         failures = []
         try:
             from torch.distributed.tensor import init_device_mesh
 
             from conftest import cpu_through_operators
+            from fusedloss import build
 
-            cpu_through_operators()
-            mesh = init_device_mesh("cpu", (2,))
+            if device == "cpu":
+                cpu_through_operators()
+            else:  # the operators' CUDA kernels, which a worker may call directly
+                build.load()
+                torch.set_default_device(device)
+            mesh = init_device_mesh(device, (2,))
             torch.manual_seed(0)
             yield mesh, failures
         finally:
             (Path(results_dir) / f"rank{rank}.txt").write_text("\n".join(failures))
 
 
-def _spawn_two_cpu_ranks(worker, tmp_path) -> None:
-    """Runs `worker` on two CPU ranks; each rank's failures fail the test."""
-    torch.multiprocessing.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+def _spawn_two_ranks(worker, device, tmp_path) -> None:
+    """Runs `worker` on two ranks; each rank's failures fail the test."""
+    torch.multiprocessing.spawn(worker, args=(device, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         failures = (tmp_path / f"rank{rank}.txt").read_text()
         assert not failures, failures
 
 
-def _other_losses_worker(rank, init_file, results_dir):
+def _other_losses_worker(rank, device, init_file, results_dir):
     """The losses a DTensor takes through torch operations (several quantiles, a tensor c,
     the Gaussian and Poisson NLL), against full tensors, unevenly sharded."""
-    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         import fusedloss
@@ -208,7 +217,8 @@ def _other_losses_worker(rank, init_file, results_dir):
                 sharded = [dx] + [distribute_tensor(t, mesh, [Shard(dim)]) for t in (y, var, counts)]
                 out, expected = call(*sharded, reduction), call(*full, reduction)
                 torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
-                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+                g = torch.randn(expected.shape, generator=torch.Generator(expected.device).manual_seed(1),
+                                device=expected.device)
                 got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
                 want, = torch.autograd.grad((expected * g).sum(), full[0])
                 torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
@@ -216,12 +226,12 @@ def _other_losses_worker(rank, init_file, results_dir):
                 failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
 
 
-def _cache_worker(rank, init_file, results_dir):
+def _cache_worker(rank, device, init_file, results_dir):
     """Calls alike in their DTensor operands and unlike in the rest (which gradients are
     asked for, which optional operands are given, the loss): each gets its own placements
     from DTensor's cache of decisions, so each matches the full tensors. Through the
     operators (the local shards' route would take these calls without DTensor's dispatch)."""
-    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         import fusedloss
@@ -249,10 +259,10 @@ def _cache_worker(rank, init_file, results_dir):
                                 f"{type(error).__name__}: {str(error)[:300]}")
 
 
-def _per_sample_worker(rank, init_file, results_dir):
+def _per_sample_worker(rank, device, init_file, results_dir):
     """The per-sample operator on operands sharded along a kept or a reduced dimension, or
     replicated, against full tensors, values and gradients."""
-    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         from fusedloss import sharding  # noqa: F401  (registers the operators' rules)
@@ -267,7 +277,8 @@ def _per_sample_worker(rank, init_file, results_dir):
                 out, expected = op(dx, dy, loss, 1.0, 1, reduction), op(fx, y, loss, 1.0, 1, reduction)
                 assert out.shape == expected.shape == (7,)
                 torch.testing.assert_close(out.full_tensor(), expected)
-                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+                g = torch.randn(expected.shape, generator=torch.Generator(expected.device).manual_seed(1),
+                                device=expected.device)
                 got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
                 want, = torch.autograd.grad((expected * g).sum(), fx)
                 torch.testing.assert_close(got.full_tensor(), want)
@@ -275,11 +286,11 @@ def _per_sample_worker(rank, init_file, results_dir):
                 failures.append(f"{loss} {reduction} {placement}: {type(error).__name__}: {str(error)[:300]}")
 
 
-def _graph_worker(rank, init_file, results_dir):
+def _graph_worker(rank, device, init_file, results_dir):
     """The local shards' route as autograd sees it: its saved graph freed by a backward that
     does not retain it, a retained graph's second backward, and a double backward, against
     full tensors (float64, unevenly sharded; a weighted mean besides)."""
-    with _two_cpu_ranks(rank, init_file, results_dir) as (mesh, failures):
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
         from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
         import fusedloss
@@ -337,28 +348,31 @@ def _graph_worker(rank, init_file, results_dir):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_the_local_shards_graph_is_freed_retained_and_differentiated_twice(tmp_path):
-    _spawn_two_cpu_ranks(_graph_worker, tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_local_shards_graph_is_freed_retained_and_differentiated_twice(tmp_path, device):
+    _spawn_two_ranks(_graph_worker, device, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_the_per_sample_operator_takes_dtensors(tmp_path):
-    _spawn_two_cpu_ranks(_per_sample_worker, tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_per_sample_operator_takes_dtensors(tmp_path, device):
+    _spawn_two_ranks(_per_sample_worker, device, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path):
-    _spawn_two_cpu_ranks(_cache_worker, tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path, device):
+    _spawn_two_ranks(_cache_worker, device, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_the_losses_beside_the_table_take_dtensors(tmp_path):
-    _spawn_two_cpu_ranks(_other_losses_worker, tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_losses_beside_the_table_take_dtensors(tmp_path, device):
+    _spawn_two_ranks(_other_losses_worker, device, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
+@pytest.mark.parametrize("device", DEVICES)
 def test_sharded_losses_match_full_tensors(tmp_path, device):
     world = MESHES[device][0][0]
     torch.multiprocessing.spawn(_worker, args=(device, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
@@ -426,8 +440,7 @@ def _training_worker(rank, device, init_file, results_dir):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA devices"))])
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_tensor_parallel_loop_trains_as_with_torch(tmp_path, device):
     """fusedloss's loop matches the unsharded one, evenly and unevenly sharded. Its first
     loss is also DTensor's own for even shards; unevenly, DTensor averages the shards'
