@@ -209,5 +209,229 @@ def test_cuda_gaussian_takes_no_host_sync():
         negative = fusedloss.gaussian_nll_loss(x, y, var.detach() - 1.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected)  # the written-out route rounds a product once
     assert negative.isnan()
+
+
+# ---- the written-out autograd functions (the GPU's eager route) ------------------------------
+
+GRAD_OUTPUTS = [1.0, 0.37, 1000.0, 2.0**16]
+WRITTEN_OUT_DTYPES = [(torch.float32,) * 3, (torch.float64,) * 3, (torch.float32, torch.float64, torch.float32),
+                      (torch.float64, torch.float32, torch.float32)]
+
+
+def _written_out(name, input, target, var, reduction, full=False):
+    """The function the GPU's eager route applies, called on any device."""
+    if name == "poisson":
+        return likelihood.PoissonNllOfLogRate.apply(input, target, reduction)
+    return likelihood.GaussianNll.apply(input, target, likelihood._broadcastable_var(input, var), full, 1e-6, reduction)
+
+
+def _pytorch(name, input, target, var, reduction, full=False):
+    if name == "poisson":
+        return F.poisson_nll_loss(input, target, reduction=reduction)
+    return F.gaussian_nll_loss(input, target, var, full=full, reduction=reduction)
+
+
+def _likelihood_operands(name, shape, dtypes, device, var_shape=None):
+    """A log rate within (-6, 6) and counts, or heavy-tailed values and a var with entries
+    at and below eps: every branch of the clamp."""
+    if name == "poisson":
+        input = torch.rand(shape, device=device, dtype=torch.float64) * 12 - 6
+        target = torch.poisson(torch.rand(shape, device=device, dtype=torch.float64) * 8)
+        var = None
+    else:
+        input, target = heavy_tailed(shape, device=device), heavy_tailed(shape, device=device)
+        var = torch.rand(var_shape or shape, device=device, dtype=torch.float64) * 2
+        if var.numel() >= 2:
+            var.view(-1)[:2] = torch.tensor([0.0, 1e-9])
+        var = var.to(dtypes[2]).requires_grad_()
+    return input.to(dtypes[0]).requires_grad_(), target.to(dtypes[1]).requires_grad_(), var
+
+
+def _same_bits(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _errors_within_pytorchs(got, pytorch, exact, magnitude, dtypes, what):
+    """Each element's error against float64 within PyTorch's own error for it plus the
+    dtype's tolerance of the terms' magnitude (the sum of their absolute values: a
+    difference of large terms carries their rounding): the written-out route rounds no
+    more often than PyTorch's formula."""
+    __tracebackhide__ = True
+    rtol, atol = (max(TOLERANCE[d][k] for d in dtypes) for k in (0, 1))  # the narrowest dtype's
+    got, pytorch = got.double(), pytorch.double()
+    finite = exact.isfinite() & pytorch.isfinite()
+    assert torch.equal(got.isnan() & finite, pytorch.isnan() & finite), f"{what}: NaN where PyTorch has none"
+    bound = (pytorch - exact).abs() + rtol * (exact.abs() + magnitude) + atol
+    error = (got - exact).abs()
+    bad = finite & ~(error <= bound)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {error[bad].max().item():.3g}"
+
+
+def _magnitudes(name, input, target, var, reduction, grad_output):
+    """In float64, the sum of the absolute values of the terms of the loss and of each
+    gradient (for the leaves input, target and var), times |grad_output| (over N for a mean)."""
+    x, t = input.detach().double(), target.detach().double()
+    scale = grad_output.abs() / (torch.broadcast_shapes(x.shape, t.shape).numel() if reduction == "mean" else 1)
+    if name == "poisson":
+        rate = x.exp()
+        value = rate + (t * x).abs()
+        grads = [(rate + t.abs()) * scale, x.abs() * scale]
+    else:
+        v = likelihood._broadcastable_var(x, var.detach().double()).clamp(min=1e-6)
+        q = (x - t) / v
+        value = 0.5 * (v.log().abs() + q * (x - t))
+        grads = [q.abs() * scale, q.abs() * scale, (0.5 * (1 / v + q * q) * scale).sum_to_size(var.shape)]
+        grads[2] = grads[2].reshape(var.shape)
+    value = {"none": value, "mean": value.mean(), "sum": value.sum()}[reduction]
+    return value, [g.sum_to_size(leaf.shape) for g, leaf in zip(grads, (input, target, var))]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("grad_output", GRAD_OUTPUTS)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtypes", WRITTEN_OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+def test_written_out_matches_float64_as_pytorch_does(device, name, dtypes, reduction, grad_output):
+    """Values and every gradient, against float64, on 2^20 + 3 elements (the Gaussian's var
+    one per row), within the error of PyTorch's own formula in those dtypes; the same bits
+    on a second run."""
+    shape = (1025, 1023)
+    input, target, var = _likelihood_operands(name, shape, dtypes, device, var_shape=(1025, 1))
+    leaves = [t for t in (input, target, var) if t is not None]
+    out = _written_out(name, input, target, var, reduction)
+    again = _written_out(name, input, target, var, reduction)
+    expected = _pytorch(name, input, target, var, reduction)
+    exact = _pytorch(name, *(None if t is None else t.double() for t in (input, target, var)), reduction)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    _same_bits(out, again)
+    g = torch.full_like(out, min(grad_output, 2.0**15 if out.dtype == torch.float16 else grad_output))
+    dtypes = (out.dtype, torch.promote_types(input.dtype, target.dtype))
+    magnitude, grad_magnitudes = _magnitudes(name, input, target, var, reduction, g.double())
+    _errors_within_pytorchs(out.detach(), expected.detach(), exact.detach(), magnitude, dtypes, "value")
+    got = torch.autograd.grad(out, leaves, g)
+    for a, b in zip(got, torch.autograd.grad(again, leaves, g)):
+        _same_bits(a, b)
+    want = torch.autograd.grad(expected, leaves, g)
+    want64 = torch.autograd.grad(exact, leaves, g.double())
+    for leaf, a, b, c, m in zip(leaves, got, want, want64, grad_magnitudes):
+        assert a.dtype == leaf.dtype and a.shape == leaf.shape
+        _errors_within_pytorchs(a, b, c, m, (a.dtype, *dtypes), f"gradient of a {tuple(leaf.shape)} operand")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+def test_written_out_edges(device, name):
+    """Empty, 0-d and broadcast operands, NaN and inf, a double backward, and the full form."""
+    for shape, target_shape in [((0, 3), (0, 3)), ((), ()), ((4, 5), (5,)), ((4, 1), (4, 5))]:
+        for reduction in ("none", "mean", "sum"):
+            input, _, var = _likelihood_operands(name, shape, (torch.float64,) * 3, device)
+            _, target, _ = _likelihood_operands(name, target_shape, (torch.float64,) * 3, device)
+            out, expected = (f(name, input, target, var, reduction) for f in (_written_out, _pytorch))
+            torch.testing.assert_close(out, expected, equal_nan=True)
+            leaves = [t for t in (input, target, var) if t is not None]
+            grads = torch.autograd.grad(out.sum(), leaves, create_graph=True)
+            wants = torch.autograd.grad(expected.sum(), leaves, create_graph=True)
+            for a, b in zip(grads, wants):
+                torch.testing.assert_close(a, b, equal_nan=True)
+            if out.numel():  # the double backward differentiates PyTorch's formula
+                for a, b in zip(torch.autograd.grad(grads[0].sum(), leaves, allow_unused=True),
+                                torch.autograd.grad(wants[0].sum(), leaves, allow_unused=True)):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        torch.testing.assert_close(a, b, equal_nan=True)
+    special = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 100.0, -100.0], device=device, dtype=torch.float64)
+    counts = torch.tensor([1.0, 0.0, 2.0, math.nan, math.inf, 3.0], device=device, dtype=torch.float64)
+    var = torch.tensor([1.0, 2.0, 0.5, 1.0, math.inf, 0.0], device=device, dtype=torch.float64)
+    torch.testing.assert_close(_written_out(name, special, counts, var, "none"),
+                               _pytorch(name, special, counts, var, "none"), equal_nan=True)
+    if name == "gaussian":
+        torch.testing.assert_close(_written_out(name, special, counts, var, "none", full=True),
+                                   _pytorch(name, special, counts, var, "none", full=True), equal_nan=True)
+
+
+def _route_ops(fn):
+    """The names of the ATen operators a call runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        fn()
+    return record.ops
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
+    """Eager CUDA calls (autocast too) take the written-out functions, with PyTorch's dtypes;
+    torch.func transforms and compile run PyTorch's formula, bit for bit."""
+    input, target, var = _likelihood_operands(name, (64, 33), (torch.float32,) * 3, "cuda", var_shape=(64, 1))
+    if name == "poisson":
+        ours, theirs = fusedloss.poisson_nll_loss, F.poisson_nll_loss
+    else:
+        def ours(i, t):
+            return fusedloss.gaussian_nll_loss(i, t, var)
+
+        def theirs(i, t):
+            return F.gaussian_nll_loss(i, t, var)
+    assert "addcmul.default" in _route_ops(lambda: ours(input, target))
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cuda", dtype=dtype):
+            got, want = ours(input.to(dtype), target.to(dtype)), theirs(input.to(dtype), target.to(dtype))
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3)
+    grad = torch.func.grad(ours)(input.detach(), target)
+    assert torch.equal(grad, torch.func.grad(theirs)(input.detach(), target))
+    primal, tangent = (input.detach(),), (torch.randn_like(input),)
+    got = torch.func.jvp(lambda i: ours(i, target), primal, tangent)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.func.jvp(lambda i: theirs(i, target), primal, tangent)))
+    compiled = torch.compile(ours, fullgraph=True)
+    torch.testing.assert_close(compiled(input, target), theirs(input, target))
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+def test_cuda_graph_replays_the_written_out_step(name):
+    """A captured step (loss and backward) replays the eager step's bits with new operands."""
+    input, target, var = _likelihood_operands(name, (256, 33), (torch.float32,) * 3, "cuda", var_shape=(256, 1))
+    loss = (lambda i, t: fusedloss.poisson_nll_loss(i, t)) if name == "poisson" else \
+        (lambda i, t: fusedloss.gaussian_nll_loss(i, t, var))
+    leaves = [t for t in (input, target, var) if t is not None]
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        out = loss(input, target)
+        out.backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    fresh = _likelihood_operands(name, (256, 33), (torch.float32,) * 3, "cuda", var_shape=(256, 1))
+    with torch.no_grad():
+        for leaf, new in zip(leaves, [t for t in fresh if t is not None]):
+            leaf.copy_(new)
+    graph.replay()
+    replayed = (captured.clone(), *(leaf.grad.clone() for leaf in leaves))
+    eager = step()
+    expected = (eager.detach(), *(leaf.grad for leaf in leaves))
+    for a, b in zip(replayed, expected):
+        _same_bits(a, b)

@@ -5,6 +5,14 @@ On a GPU, the Gaussian loss takes no host sync: PyTorch checks ``var`` for negat
 entries with ``torch.any``, which waits for the GPU; here a negative entry's loss is NaN
 (and so is any mean or sum over it) instead. On the CPU, where that check waits for
 nothing, PyTorch's ValueError is kept.
+
+On a GPU, in eager mode, with float32 and float64 operands (16-bit ones under autocast
+too), both losses (the Poisson loss in PyTorch's default form, ``log_input=True`` without
+``full``) are autograd functions with their derivatives written out: about half the passes
+over the operands of autograd through PyTorch's formula. Their values and gradients are
+PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewhere (the
+CPU, 16-bit operands outside autocast, ``torch.compile``, torch.func transforms and
+forward-mode AD, tensor subclasses) the losses are PyTorch's own operations.
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import _reduction
 
-from . import reductions, routing
+from . import ops, reductions, routing
+from .losses import reduced
 from .reductions import Dims
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
+_WIDE = (torch.float32, torch.float64)
 
 
 def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool, eps: float, reduction: str,
@@ -30,11 +40,37 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
             return F.gaussian_nll_loss(input, target, var, full=full, eps=eps, reduction=reduction)
         _check_reduction(reduction)
         per_element = F.gaussian_nll_loss(input, target, var, full=full, eps=eps, reduction="none")
+    elif _written_out_applies(*(computed := _gaussian_operands(input, target, var))):
+        input, target, var = computed
+        _check_reduction(reduction)
+        if plain:
+            return GaussianNll.apply(input, target, var, full, eps, reduction)
+        per_element = GaussianNll.apply(input, target, var, full, eps, "none")
     else:
         per_element = gaussian_nll_elementwise(input, target, var, full, eps, reduction)
         if plain:
             return per_element if reduction == "none" else reductions.reduce(per_element, reduction, None, None)
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim)
+
+
+def _written_out_applies(*operands: Tensor) -> bool:
+    """Whether the written-out autograd functions take these operands (as computed): float32
+    and float64 tensors on a GPU, in eager mode, outside torch.func transforms and
+    forward-mode AD. 16-bit operands keep PyTorch's formula: computed in float32 (a 16-bit
+    quotient could overflow where PyTorch's order of operations does not), their loss would
+    move more bytes than PyTorch's."""
+    return (all(isinstance(t, Tensor) and t.is_cuda and t.dtype in _WIDE for t in operands)
+            and not torch.compiler.is_compiling() and not routing.under_a_transform()
+            and routing.no_torch_function(*operands))
+
+
+def _gaussian_operands(input: Tensor, target: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The operands as PyTorch's formula computes with them: var broadcastable, and under
+    CUDA autocast 16-bit ones in float32 (where the formula's log and square run)."""
+    var = _broadcastable_var(input, var)
+    if torch.is_autocast_enabled("cuda"):
+        return ops.as_autocast_would(input), ops.as_autocast_would(target), ops.as_autocast_would(var)
+    return input, target, var
 
 
 def checks_without_sync(input: Tensor, target: Tensor, var: Tensor | float) -> bool:
@@ -49,12 +85,7 @@ def gaussian_nll_elementwise(input: Tensor, target: Tensor, var: Tensor, full: b
     """torch.nn.functional.gaussian_nll_loss's loss per element, its shape rules and its
     gradients (the clamp at eps passes var's gradient through, as PyTorch's does), with a
     negative var's entries NaN instead of a check that waits for the GPU."""
-    if var.size() != input.size():
-        if input.size()[:-1] == var.size():
-            var = torch.unsqueeze(var, -1)  # homoscedastic: one variance per row
-        elif not (input.ndim == var.ndim
-                  and sum(v for i, v in zip(input.size(), var.size(), strict=True) if i != v) == 1):
-            raise ValueError("var is of incorrect size")
+    var = _broadcastable_var(input, var)
     _check_reduction(reduction)
     negative = var < 0
     var = var.clone()
@@ -67,17 +98,123 @@ def gaussian_nll_elementwise(input: Tensor, target: Tensor, var: Tensor, full: b
     return loss
 
 
+def _broadcastable_var(input: Tensor, var: Tensor) -> Tensor:
+    """var as PyTorch's shape rules take it: the input's shape, one dimension fewer (a
+    variance per row, unsqueezed), or the input's with one dimension of size 1."""
+    if var.size() != input.size():
+        if input.size()[:-1] == var.size():
+            return torch.unsqueeze(var, -1)  # homoscedastic: one variance per row
+        if not (input.ndim == var.ndim
+                and sum(v for i, v in zip(input.size(), var.size(), strict=True) if i != v) == 1):
+            raise ValueError("var is of incorrect size")
+    return var
+
+
+def _clamped_var(var: Tensor, eps: float) -> Tensor:
+    """var clamped at eps, as PyTorch clamps it, with a negative entry NaN."""
+    return var.clamp(min=eps).masked_fill_(var < 0, math.nan)
+
+
+class GaussianNll(torch.autograd.Function):
+    """The Gaussian NLL of a broadcastable var (``_broadcastable_var``) with its derivatives
+    written out, for v = var clamped at eps (``_clamped_var``; the clamp passes var's
+    gradient through, as PyTorch's does) and q = (input - target) / v: the loss
+    (log v + (input - target) q) / 2, q for the input, -q for the target and
+    (1 / v - q^2) / 2 for var. A mean's or sum's 1/2 multiplies the reduced value. A double
+    backward differentiates PyTorch's formula."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, target: Tensor, var: Tensor, full: bool, eps: float,
+                reduction: str) -> Tensor:
+        v = _clamped_var(var, eps)
+        d = input - target
+        q = d / v
+        twice = torch.addcmul(torch.log(v), d, q)
+        if full:
+            twice.add_(2 * _HALF_LOG_TWO_PI)
+        ctx.save_for_backward(input, target, var, v, q)
+        ctx.arguments = (full, eps, reduction, twice.numel())
+        if reduction == "none":
+            return twice.mul_(0.5)
+        return reduced(twice, reduction) * 0.5
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        input, target, var, v, q = ctx.saved_tensors
+        full, eps, reduction, numel = ctx.arguments
+        wanted = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
+            with torch.enable_grad():
+                loss = reduced(gaussian_nll_elementwise(input, target, var, full, eps, "none"), reduction)
+            grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, var), wanted) if w],
+                                             grad_output, create_graph=True))
+            return tuple(next(grads) if w else None for w in wanted) + (None,) * 3
+        times = grad_output / numel if reduction == "mean" else grad_output
+        grad_input = grad_target = grad_var = None
+        if wanted[0] or wanted[1]:
+            slope = q * times
+            grad_input = slope.to(input.dtype).sum_to_size(input.shape) if wanted[0] else None
+            grad_target = slope.neg().to(target.dtype).sum_to_size(target.shape) if wanted[1] else None
+        if wanted[2]:
+            grad_var = torch.addcmul(v.reciprocal(), q, q, value=-1).mul_(times * 0.5)
+            grad_var = grad_var.sum_to_size(var.shape).to(var.dtype)
+        return grad_input, grad_target, grad_var, None, None, None
+
+
+class PoissonNllOfLogRate(torch.autograd.Function):
+    """PyTorch's default Poisson NLL (``log_input=True``, no ``full``) with its derivatives
+    written out: exp(input) - target input per element, exp(input) - target for the input,
+    -input for the target. A double backward differentiates PyTorch's formula."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, target: Tensor, reduction: str) -> Tensor:
+        rate = torch.exp(input)
+        loss = torch.addcmul(rate, target, input, value=-1)
+        ctx.save_for_backward(input, target, rate)
+        ctx.arguments = (reduction, loss.numel())
+        return reduced(loss, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        input, target, rate = ctx.saved_tensors
+        reduction, numel = ctx.arguments
+        wanted = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
+            with torch.enable_grad():
+                loss = F.poisson_nll_loss(input, target, reduction=reduction)
+            grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target), wanted) if w],
+                                             grad_output, create_graph=True))
+            return tuple(next(grads) if w else None for w in wanted) + (None,)
+        times = grad_output / numel if reduction == "mean" else grad_output
+        grad_input = grad_target = None
+        if wanted[0]:
+            grad_input = torch.sub(rate, target).mul_(times).sum_to_size(input.shape).to(input.dtype)
+        if wanted[1]:
+            grad_target = input.to(times.dtype).mul(times).neg_().sum_to_size(target.shape).to(target.dtype)
+        return grad_input, grad_target, None
+
+
 def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size_average: bool | None, eps: float,
                 reduce: bool | None, reduction: str, weight: Tensor | None, scale: float | Tensor | None, dim: Dims,
                 keepdim: bool) -> Tensor:
-    if weight is None and scale is None and dim is None:
+    written_out = None
+    if log_input and not full and isinstance(input, Tensor) and isinstance(target, Tensor):
+        computed = ops.as_computed(input, target, routing.under_autocast(input, target))
+        written_out = computed if _written_out_applies(*computed) else None
+    if weight is None and scale is None and dim is None and written_out is None:
         return F.poisson_nll_loss(input, target, log_input=log_input, full=full, size_average=size_average, eps=eps,
                                   reduce=reduce, reduction=reduction)
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(reduction + " is not a valid value for reduction")  # PyTorch's words
-    per_element = F.poisson_nll_loss(input, target, log_input=log_input, full=full, eps=eps, reduction="none")
+    if written_out is not None:
+        input, target = written_out
+        if weight is None and scale is None and dim is None:
+            return PoissonNllOfLogRate.apply(input, target, reduction)
+        per_element = PoissonNllOfLogRate.apply(input, target, "none")
+    else:
+        per_element = F.poisson_nll_loss(input, target, log_input=log_input, full=full, eps=eps, reduction="none")
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim)
 
 
