@@ -239,7 +239,9 @@ def gaussian_nll_loss(
     (and a mean or sum over it) is NaN, and nothing waits for the GPU, where PyTorch's
     ``torch.any(var < 0)`` does. On the CPU, and for a float ``var``, PyTorch raises its
     ValueError. ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this
-    module's docstring. Computed with torch operations.
+    module's docstring. Computed with torch operations: on a GPU, in eager mode, with
+    float32 or float64 operands (or under autocast), an autograd function with its
+    derivatives written out, whose values and gradients are PyTorch's up to rounding.
     """
     return likelihood.gaussian_nll(input, target, var, full, eps, reduction, weight, scale, dim, keepdim)
 
@@ -263,7 +265,10 @@ def poisson_nll_loss(
     ``exp(input) - target * input`` (``log_input``) or ``input - target * log(input + eps)``,
     plus Stirling's approximation of ``log(target!)`` where ``target > 1`` if ``full``.
     ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this module's
-    docstring. Computed with torch operations (PyTorch's own loss per element).
+    docstring. Computed with torch operations: PyTorch's default form (``log_input``,
+    not ``full``) on a GPU, in eager mode, with float32 or float64 operands (or under
+    autocast) as an autograd function with its derivatives written out, whose values
+    and gradients are PyTorch's up to rounding; otherwise PyTorch's own loss.
     """
     return likelihood.poisson_nll(input, target, log_input, full, size_average, eps, reduce, reduction, weight,
                                   scale, dim, keepdim)
