@@ -221,23 +221,26 @@ WRITTEN_OUT_DTYPES = [(torch.float32,) * 3, (torch.float64,) * 3, (torch.float32
 
 
 def _written_out(name, input, target, var, reduction, full=False):
-    """The function the GPU's eager route applies, called on any device."""
-    if name == "poisson":
-        return likelihood.PoissonNllOfLogRate.apply(input, target, reduction)
+    """The function the GPU's eager route applies, called on any device ("poisson": of a log
+    rate, "poisson rate": of a rate)."""
+    if name.startswith("poisson"):
+        return likelihood.PoissonNll.apply(input, target, name == "poisson", 1e-8, reduction)
     return likelihood.GaussianNll.apply(input, target, likelihood._broadcastable_var(input, var), full, 1e-6, reduction)
 
 
 def _pytorch(name, input, target, var, reduction, full=False):
-    if name == "poisson":
-        return F.poisson_nll_loss(input, target, reduction=reduction)
+    if name.startswith("poisson"):
+        return F.poisson_nll_loss(input, target, log_input=name == "poisson", reduction=reduction)
     return F.gaussian_nll_loss(input, target, var, full=full, reduction=reduction)
 
 
 def _likelihood_operands(name, shape, dtypes, device, var_shape=None):
-    """A log rate within (-6, 6) and counts, or heavy-tailed values and a var with entries
-    at and below eps: every branch of the clamp."""
-    if name == "poisson":
+    """A log rate within (-6, 6) (a rate within [0, 8), zeros among them) and counts, or
+    heavy-tailed values and a var with entries at and below eps: every branch of the clamp."""
+    if name.startswith("poisson"):
         input = torch.rand(shape, device=device, dtype=torch.float64) * 12 - 6
+        if name == "poisson rate":
+            input = (input + 6).mul_(2 / 3).masked_fill_(input < -5.5, 0)
         target = torch.poisson(torch.rand(shape, device=device, dtype=torch.float64) * 8)
         var = None
     else:
@@ -278,6 +281,10 @@ def _magnitudes(name, input, target, var, reduction, grad_output):
         rate = x.exp()
         value = rate + (t * x).abs()
         grads = [(rate + t.abs()) * scale, x.abs() * scale]
+    elif name == "poisson rate":
+        log_shifted = (x + 1e-8).log()
+        value = x.abs() + (t * log_shifted).abs()
+        grads = [(1 + (t / (x + 1e-8)).abs()) * scale, log_shifted.abs() * scale]
     else:
         v = likelihood._broadcastable_var(x, var.detach().double()).clamp(min=1e-6)
         q = (x - t) / v
@@ -292,7 +299,7 @@ def _magnitudes(name, input, target, var, reduction, grad_output):
 @pytest.mark.parametrize("grad_output", GRAD_OUTPUTS)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("dtypes", WRITTEN_OUT_DTYPES, ids=str)
-@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
 def test_written_out_matches_float64_as_pytorch_does(device, name, dtypes, reduction, grad_output):
     """Values and every gradient, against float64, on 2^20 + 3 elements (the Gaussian's var
     one per row), within the error of PyTorch's own formula in those dtypes; the same bits
@@ -321,7 +328,7 @@ def test_written_out_matches_float64_as_pytorch_does(device, name, dtypes, reduc
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
 def test_written_out_edges(device, name):
     """Empty, 0-d and broadcast operands, NaN and inf, a double backward, and the full form."""
     for shape, target_shape in [((0, 3), (0, 3)), ((), ()), ((4, 5), (5,)), ((4, 1), (4, 5))]:
@@ -370,13 +377,19 @@ def _route_ops(fn):
 
 
 @requires_cuda
-@pytest.mark.parametrize("name", ["poisson", "gaussian"])
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
 def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
     """Eager CUDA calls (autocast too) take the written-out functions, with PyTorch's dtypes;
     torch.func transforms and compile run PyTorch's formula, bit for bit."""
-    input, target, var = _likelihood_operands(name, (64, 33), (torch.float32,) * 3, "cuda", var_shape=(64, 1))
-    if name == "poisson":
-        ours, theirs = fusedloss.poisson_nll_loss, F.poisson_nll_loss
+    # the Poisson route from POISSON_WRITTEN_OUT_FROM_BYTES of operands; PyTorch's below
+    rows = likelihood.POISSON_WRITTEN_OUT_FROM_BYTES // (2 * 64 * 4) if name.startswith("poisson") else 64
+    input, target, var = _likelihood_operands(name, (rows, 64), (torch.float32,) * 3, "cuda", var_shape=(rows, 1))
+    if name.startswith("poisson"):
+        def ours(i, t):
+            return fusedloss.poisson_nll_loss(i, t, log_input=name == "poisson")
+
+        def theirs(i, t):
+            return F.poisson_nll_loss(i, t, log_input=name == "poisson")
     else:
         def ours(i, t):
             return fusedloss.gaussian_nll_loss(i, t, var)
@@ -384,6 +397,8 @@ def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
         def theirs(i, t):
             return F.gaussian_nll_loss(i, t, var)
     assert "addcmul.default" in _route_ops(lambda: ours(input, target))
+    if name.startswith("poisson"):
+        assert "addcmul.default" not in _route_ops(lambda: ours(input[:-1], target[:-1]))
     for dtype in (torch.bfloat16, torch.float16):
         with torch.autocast("cuda", dtype=dtype):
             got, want = ours(input.to(dtype), target.to(dtype)), theirs(input.to(dtype), target.to(dtype))
@@ -402,7 +417,8 @@ def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
 @pytest.mark.parametrize("name", ["poisson", "gaussian"])
 def test_cuda_graph_replays_the_written_out_step(name):
     """A captured step (loss and backward) replays the eager step's bits with new operands."""
-    input, target, var = _likelihood_operands(name, (256, 33), (torch.float32,) * 3, "cuda", var_shape=(256, 1))
+    shape = (likelihood.POISSON_WRITTEN_OUT_FROM_BYTES // (2 * 64 * 4) + 1, 64)
+    input, target, var = _likelihood_operands(name, shape, (torch.float32,) * 3, "cuda", var_shape=(shape[0], 1))
     loss = (lambda i, t: fusedloss.poisson_nll_loss(i, t)) if name == "poisson" else \
         (lambda i, t: fusedloss.gaussian_nll_loss(i, t, var))
     leaves = [t for t in (input, target, var) if t is not None]
@@ -425,7 +441,7 @@ def test_cuda_graph_replays_the_written_out_step(name):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    fresh = _likelihood_operands(name, (256, 33), (torch.float32,) * 3, "cuda", var_shape=(256, 1))
+    fresh = _likelihood_operands(name, shape, (torch.float32,) * 3, "cuda", var_shape=(shape[0], 1))
     with torch.no_grad():
         for leaf, new in zip(leaves, [t for t in fresh if t is not None]):
             leaf.copy_(new)

@@ -7,12 +7,13 @@ entries with ``torch.any``, which waits for the GPU; here a negative entry's los
 nothing, PyTorch's ValueError is kept.
 
 On a GPU, in eager mode, with float32 and float64 operands (16-bit ones under autocast
-too), both losses (the Poisson loss in PyTorch's default form, ``log_input=True`` without
-``full``) are autograd functions with their derivatives written out: about half the passes
-over the operands of autograd through PyTorch's formula. Their values and gradients are
-PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewhere (the
-CPU, 16-bit operands outside autocast, ``torch.compile``, torch.func transforms and
-forward-mode AD, tensor subclasses) the losses are PyTorch's own operations.
+too), both losses (the Poisson loss without ``full``, from operands of
+``POISSON_WRITTEN_OUT_FROM_BYTES``) are autograd functions with their derivatives written
+out: about half the passes over the operands of autograd through PyTorch's formula. Their
+values and gradients are PyTorch's up to rounding (a product and a sum rounded once, not
+twice). Elsewhere (the CPU, 16-bit operands outside autocast, smaller or ``full`` Poisson
+losses, ``torch.compile``, torch.func transforms and forward-mode AD, tensor subclasses)
+the losses are PyTorch's own operations.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from .reductions import Dims
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 _WIDE = (torch.float32, torch.float64)
+# From operands of this many bytes on (both together), the Poisson NLL takes its written-out
+# function. Below, its step is bound by the host, where the Python function costs about what
+# the launches it saves do (docs/reliability.md); the Gaussian one saves more launches, at
+# every size.
+POISSON_WRITTEN_OUT_FROM_BYTES = routing.FUSED_GRADIENT_FROM_BYTES >> 1
 
 
 def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool, eps: float, reduction: str,
@@ -161,46 +167,61 @@ class GaussianNll(torch.autograd.Function):
         return grad_input, grad_target, grad_var, None, None, None
 
 
-class PoissonNllOfLogRate(torch.autograd.Function):
-    """PyTorch's default Poisson NLL (``log_input=True``, no ``full``) with its derivatives
-    written out: exp(input) - target input per element, exp(input) - target for the input,
-    -input for the target. A double backward differentiates PyTorch's formula."""
+class PoissonNll(torch.autograd.Function):
+    """PyTorch's Poisson NLL without ``full``, with its derivatives written out: for a log
+    rate (``log_input``), exp(input) - target input per element, exp(input) - target for
+    the input and -input for the target; for a rate, input - target log(input + eps),
+    1 - target / (input + eps) and -log(input + eps). A double backward differentiates
+    PyTorch's formula."""
 
     @staticmethod
-    def forward(ctx, input: Tensor, target: Tensor, reduction: str) -> Tensor:
-        rate = torch.exp(input)
-        loss = torch.addcmul(rate, target, input, value=-1)
-        ctx.save_for_backward(input, target, rate)
-        ctx.arguments = (reduction, loss.numel())
+    def forward(ctx, input: Tensor, target: Tensor, log_input: bool, eps: float, reduction: str) -> Tensor:
+        if log_input:
+            rate = torch.exp(input)
+            loss = torch.addcmul(rate, target, input, value=-1)
+            ctx.save_for_backward(input, target, rate, None)
+        else:
+            shifted = input + eps
+            log_shifted = torch.log(shifted)
+            loss = torch.addcmul(input, target, log_shifted, value=-1)
+            ctx.save_for_backward(input, target, shifted, log_shifted)
+        ctx.arguments = (log_input, eps, reduction, loss.numel())
         return reduced(loss, reduction)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        input, target, rate = ctx.saved_tensors
-        reduction, numel = ctx.arguments
+        input, target, rate_or_shifted, log_shifted = ctx.saved_tensors
+        log_input, eps, reduction, numel = ctx.arguments
         wanted = ctx.needs_input_grad[:2]
         if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
             with torch.enable_grad():
-                loss = F.poisson_nll_loss(input, target, reduction=reduction)
+                loss = F.poisson_nll_loss(input, target, log_input=log_input, eps=eps, reduction=reduction)
             grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target), wanted) if w],
                                              grad_output, create_graph=True))
-            return tuple(next(grads) if w else None for w in wanted) + (None,)
+            return tuple(next(grads) if w else None for w in wanted) + (None,) * 3
         times = grad_output / numel if reduction == "mean" else grad_output
         grad_input = grad_target = None
         if wanted[0]:
-            grad_input = torch.sub(rate, target).mul_(times).sum_to_size(input.shape).to(input.dtype)
+            if log_input:  # exp(input) - target
+                slope = torch.sub(rate_or_shifted, target)
+            else:  # 1 - target / (input + eps)
+                slope = torch.addcdiv(torch.ones((), dtype=times.dtype, device=times.device), target, rate_or_shifted,
+                                      value=-1)
+            grad_input = slope.mul_(times).sum_to_size(input.shape).to(input.dtype)
         if wanted[1]:
-            grad_target = input.to(times.dtype).mul(times).neg_().sum_to_size(target.shape).to(target.dtype)
-        return grad_input, grad_target, None
+            minus = (input if log_input else log_shifted).to(times.dtype)
+            grad_target = minus.mul(times).neg_().sum_to_size(target.shape).to(target.dtype)
+        return grad_input, grad_target, None, None, None
 
 
 def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size_average: bool | None, eps: float,
                 reduce: bool | None, reduction: str, weight: Tensor | None, scale: float | Tensor | None, dim: Dims,
                 keepdim: bool) -> Tensor:
     written_out = None
-    if log_input and not full and isinstance(input, Tensor) and isinstance(target, Tensor):
+    if not full and isinstance(input, Tensor) and isinstance(target, Tensor):
         computed = ops.as_computed(input, target, routing.under_autocast(input, target))
-        written_out = computed if _written_out_applies(*computed) else None
+        large = sum(t.numel() * t.element_size() for t in computed) >= POISSON_WRITTEN_OUT_FROM_BYTES
+        written_out = computed if large and _written_out_applies(*computed) else None
     if weight is None and scale is None and dim is None and written_out is None:
         return F.poisson_nll_loss(input, target, log_input=log_input, full=full, size_average=size_average, eps=eps,
                                   reduce=reduce, reduction=reduction)
@@ -211,8 +232,8 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
     if written_out is not None:
         input, target = written_out
         if weight is None and scale is None and dim is None:
-            return PoissonNllOfLogRate.apply(input, target, reduction)
-        per_element = PoissonNllOfLogRate.apply(input, target, "none")
+            return PoissonNll.apply(input, target, log_input, eps, reduction)
+        per_element = PoissonNll.apply(input, target, log_input, eps, "none")
     else:
         per_element = F.poisson_nll_loss(input, target, log_input=log_input, full=full, eps=eps, reduction="none")
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim)
