@@ -219,9 +219,13 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
                 keepdim: bool) -> Tensor:
     written_out = None
     if not full and isinstance(input, Tensor) and isinstance(target, Tensor):
-        computed = ops.as_computed(input, target, routing.under_autocast(input, target))
-        large = sum(t.numel() * t.element_size() for t in computed) >= POISSON_WRITTEN_OUT_FROM_BYTES
-        written_out = computed if large and _written_out_applies(*computed) else None
+        autocast = routing.under_autocast(input, target)
+        # the bytes of the operands as computed (autocast's float32 copies), before making any
+        computed_bytes = sum(t.numel() * (4 if autocast and t.dtype in routing.SIXTEEN_BIT else t.element_size())
+                             for t in (input, target))
+        if computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
+            computed = ops.as_computed(input, target, autocast)
+            written_out = computed if _written_out_applies(*computed) else None
     if weight is None and scale is None and dim is None and written_out is None:
         return F.poisson_nll_loss(input, target, log_input=log_input, full=full, size_average=size_average, eps=eps,
                                   reduce=reduce, reduction=reduction)
