@@ -265,10 +265,11 @@ def poisson_nll_loss(
     ``exp(input) - target * input`` (``log_input``) or ``input - target * log(input + eps)``,
     plus Stirling's approximation of ``log(target!)`` where ``target > 1`` if ``full``.
     ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this module's
-    docstring. Computed with torch operations: PyTorch's default form (``log_input``,
-    not ``full``) on a GPU, in eager mode, with float32 or float64 operands (or under
-    autocast) as an autograd function with its derivatives written out, whose values
-    and gradients are PyTorch's up to rounding; otherwise PyTorch's own loss.
+    docstring. Computed with torch operations: without ``full``, on a GPU, in eager mode,
+    with float32 or float64 operands (or under autocast) of 128 MiB and more
+    (``likelihood.POISSON_WRITTEN_OUT_FROM_BYTES``), as an autograd function with its
+    derivatives written out, whose values and gradients are PyTorch's up to rounding;
+    otherwise PyTorch's own loss.
     """
     return likelihood.poisson_nll(input, target, log_input, full, size_average, eps, reduce, reduction, weight,
                                   scale, dim, keepdim)
