@@ -169,6 +169,18 @@ struct PseudoHuberLoss {
   }
 };
 
+// The hardware's approximations, each within an ulp or two, subnormals flushed to 0.
+__device__ __forceinline__ float approximate_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float approximate_reciprocal(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // log(cosh(d)): about d^2 / 2 near 0, about |d| - log 2 far from it; its derivative is tanh(d).
 // In double, up to |d| = 1 it is log1p(m^2 / (2 (1 + m))) with m = expm1(|d|), which keeps small
 // d's digits, and beyond, |d| + log1p(exp(-2|d|)) - log 2, which cannot overflow. In float (every
@@ -179,6 +191,10 @@ struct PseudoHuberLoss {
 //   (R fits log1p(e) / e, e <= exp(-2)), log 2 split in two so that its rounding does not show;
 // - tanh: |d| + |d| s V(s) below |d| = 0.55 (1 + s V(s) fits tanh(d) / d); beyond,
 //   (1 - e) / (1 + e), where e <= 1/3 leaves 1 - e its digits.
+// Where every result is stored in 16 bits (`Out`), that arithmetic would still bound the
+// 16-bit pass: there e comes from the approximate exp2, 1 / (1 + e) from the approximate
+// reciprocal, and the polynomials are shorter, fitted to within 2e-6 (16-bit rounding is
+// 2^-12 or coarser, so the result stays within the 1 ulp of float32's formula).
 struct LogCoshLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
@@ -186,7 +202,20 @@ struct LogCoshLoss {
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T>) {
     const T z = fabs(d);
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float> && sizeof(Out) == 2) {
+      const float s = z * z;
+      const float e = approximate_exp2(z * -2.88539008177792681f);  // exp(-2z)
+      float p = 0.0010440391f;
+      p = fmaf(p, s, -0.0059106196f);
+      p = fmaf(p, s, 0.021949606f);
+      p = fmaf(p, s, -0.08330103f);
+      p = fmaf(p, s, 0.49999937f);
+      float r = 0.27698672f;
+      r = fmaf(r, e, -0.49580434f);
+      r = fmaf(r, e, 0.9999092f);
+      const float far = fmaf(e, r, z - 0.693147182464599609375f);
+      return z <= 1.0f ? s * p : far;
+    } else if constexpr (std::is_same_v<T, float>) {
       const float s = z * z;
       const float e = expf(-2.0f * z);
       float p = 8.65710389916785e-05f;
@@ -214,7 +243,17 @@ struct LogCoshLoss {
   }
   template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T>) {
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float> && sizeof(Out) == 2) {
+      const float z = fabsf(d);
+      const float s = z * z;
+      const float e = approximate_exp2(z * -2.88539008177792681f);  // the loss's own e
+      float v = -0.043153174f;
+      v = fmaf(v, s, 0.13154617f);
+      v = fmaf(v, s, -0.33324727f);
+      const float near = fmaf(z * s, v, z);
+      const float far = (1.0f - e) * approximate_reciprocal(1.0f + e);
+      return copysignf(z < 0.55f ? near : far, d);
+    } else if constexpr (std::is_same_v<T, float>) {
       const float z = fabsf(d);
       const float s = z * z;
       const float e = expf(-2.0f * z);  // the loss's own e, when both are computed
