@@ -308,7 +308,15 @@ struct PairOp {
   struct Params {
     LossParam<T> loss, input_grad, target_grad;
   };
-  __device__ __forceinline__ Params params() const { return Params{param, input_grad_param, target_grad_param}; }
+  __device__ __forceinline__ Params params() const {
+    // Unrounded, the three are one value: one register, so the loss and its gradients share
+    // their arithmetic.
+    if constexpr (Loss::kParamInLossDtype) {
+      return Params{param, input_grad_param, target_grad_param};
+    } else {
+      return Params{param, param, param};
+    }
+  }
 
   // The dtypes PyTorch computes the gradients in (see Loss::kGradInOwnDtype).
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;

@@ -110,6 +110,23 @@ struct NormalRange<double> {
   static constexpr double kMin = 0x1p-1022, kMax = 0x1.fffffffffffffp1023;
 };
 
+// The hardware's approximations, each within an ulp or two, subnormals flushed to 0.
+__device__ __forceinline__ float approximate_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float approximate_reciprocal(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float approximate_rsqrt(float x) {
+  float r;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // Pseudo-Huber's parts: d / root, d / (root + c) and root - c, of root = sqrt(d^2 + c^2).
 template <typename T>
 struct PseudoHuberParts {
@@ -129,25 +146,29 @@ __device__ __noinline__ PseudoHuberParts<T> pseudo_huber_scaled_parts(T d, T c) 
   return {scaled_d / root, scaled_d / (root + scaled_c), (root - scaled_c) * (big ? T(1) / kShrink : kShrink)};
 }
 
-// Where every result is stored in 16 bits (`Out`), float's approximate reciprocal square root
-// and division: their few ulps vanish in the rounding to 16 bits, and IEEE's operations would
-// make the 16-bit pass bound by its arithmetic. Elsewhere IEEE's (the approximate ones would
-// double a float32 gradient's rounding error).
+// Where every result is stored in 16 bits (`Out`), the hardware's approximate reciprocal square
+// root and reciprocal: their few ulps vanish in the rounding to 16 bits, and IEEE's operations
+// would make the 16-bit pass bound by its arithmetic. Elsewhere IEEE's (the approximate ones would
+// double a float32 gradient's rounding error). The usual path is computed first and replaced
+// where the square is out of range, so that the loss and its gradient share it.
 template <typename Out, typename T>
 __device__ __forceinline__ PseudoHuberParts<T> pseudo_huber_parts(T d, T c) {
   // One fused multiply-add, spelled out: left to the compiler, the forward's pass and
   // backward's could contract d * d + c * c differently and round their gradients apart.
   const T square = fma(d, d, c * c);
-  if (__builtin_expect(!(square >= NormalRange<T>::kMin && square <= NormalRange<T>::kMax), 0)) {
-    return pseudo_huber_scaled_parts(d, c);
-  }
+  PseudoHuberParts<T> parts;
   if constexpr (std::is_same_v<T, float> && sizeof(Out) == 2) {
-    const float inverse = rsqrtf(square), root = square * inverse;
-    return {d * inverse, __fdividef(d, root + c), root - c};
+    // square is normal here (else replaced below), and root + c is far below float's range
+    const float inverse = approximate_rsqrt(square), root = square * inverse;
+    parts = {d * inverse, d * approximate_reciprocal(root + c), root - c};
   } else {
     const T root = sqrt(square);
-    return {d / root, d / (root + c), root - c};
+    parts = {d / root, d / (root + c), root - c};
   }
+  if (__builtin_expect(!(square >= NormalRange<T>::kMin && square <= NormalRange<T>::kMax), 0)) {
+    parts = pseudo_huber_scaled_parts(d, c);
+  }
+  return parts;
 }
 
 // Diffusers' scheduled Huber and Charbonnier: 2c(sqrt(d^2 + c^2) - c), c > 0.
@@ -168,18 +189,6 @@ struct PseudoHuberLoss {
     return (c.value + c.value) * pseudo_huber_parts<Out>(d, c.value).slope;  // |slope| <= 1
   }
 };
-
-// The hardware's approximations, each within an ulp or two, subnormals flushed to 0.
-__device__ __forceinline__ float approximate_exp2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ float approximate_reciprocal(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 
 // log(cosh(d)): about d^2 / 2 near 0, about |d| - log 2 far from it; its derivative is tanh(d).
 // In double, up to |d| = 1 it is log1p(m^2 / (2 (1 + m))) with m = expm1(|d|), which keeps small
