@@ -216,8 +216,9 @@ def test_cuda_gaussian_takes_no_host_sync():
 # ---- the written-out autograd functions (the GPU's eager route) ------------------------------
 
 GRAD_OUTPUTS = [1.0, 0.37, 1000.0, 2.0**16]
-WRITTEN_OUT_DTYPES = [(torch.float32,) * 3, (torch.float64,) * 3, (torch.float32, torch.float64, torch.float32),
-                      (torch.float64, torch.float32, torch.float32)]
+WRITTEN_OUT_DTYPES = [(torch.float32,) * 3, (torch.float64,) * 3, (torch.bfloat16,) * 3,
+                      (torch.float32, torch.float64, torch.float32), (torch.float64, torch.float32, torch.float32),
+                      (torch.bfloat16, torch.float32, torch.bfloat16)]
 
 
 def _written_out(name, input, target, var, reduction, full=False):
@@ -399,6 +400,12 @@ def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
     assert "addcmul.default" in _route_ops(lambda: ours(input, target))
     if name.startswith("poisson"):
         assert "addcmul.default" not in _route_ops(lambda: ours(input[:-1], target[:-1]))
+    # bfloat16 operands take it too (float32's range); float16 ones keep PyTorch's formula
+    for dtype, taken in ((torch.bfloat16, True), (torch.float16, False)):
+        i, t = (x.detach().to(dtype) for x in (input, target))
+        if name.startswith("poisson"):  # as many bytes as the float32 operands above
+            i, t = torch.cat([i, i]), torch.cat([t, t])
+        assert ("addcmul.default" in _route_ops(lambda: ours(i, t))) == taken, dtype
     for dtype in (torch.bfloat16, torch.float16):
         with torch.autocast("cuda", dtype=dtype):
             got, want = ours(input.to(dtype), target.to(dtype)), theirs(input.to(dtype), target.to(dtype))

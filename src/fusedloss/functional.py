@@ -240,8 +240,9 @@ def gaussian_nll_loss(
     ``torch.any(var < 0)`` does. On the CPU, and for a float ``var``, PyTorch raises its
     ValueError. ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this
     module's docstring. Computed with torch operations: on a GPU, in eager mode, with
-    float32 or float64 operands (or under autocast), an autograd function with its
-    derivatives written out, whose values and gradients are PyTorch's up to rounding.
+    float32, float64 or bfloat16 operands (float16 under autocast), an autograd function
+    with its derivatives written out, whose values and gradients are PyTorch's up to
+    rounding.
     """
     return likelihood.gaussian_nll(input, target, var, full, eps, reduction, weight, scale, dim, keepdim)
 
@@ -266,7 +267,7 @@ def poisson_nll_loss(
     plus Stirling's approximation of ``log(target!)`` where ``target > 1`` if ``full``.
     ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this module's
     docstring. Computed with torch operations: without ``full``, on a GPU, in eager mode,
-    with float32 or float64 operands (or under autocast) of 128 MiB and more
+    with float32, float64 or bfloat16 operands (float16 under autocast) of 128 MiB and more
     (``likelihood.POISSON_WRITTEN_OUT_FROM_BYTES``), as an autograd function with its
     derivatives written out, whose values and gradients are PyTorch's up to rounding;
     otherwise PyTorch's own loss.

@@ -6,12 +6,12 @@ entries with ``torch.any``, which waits for the GPU; here a negative entry's los
 (and so is any mean or sum over it) instead. On the CPU, where that check waits for
 nothing, PyTorch's ValueError is kept.
 
-On a GPU, in eager mode, with float32 and float64 operands (16-bit ones under autocast
-too), both losses (the Poisson loss without ``full``, from operands of
+On a GPU, in eager mode, with float32, float64 and bfloat16 operands (float16 ones under
+autocast too), both losses (the Poisson loss without ``full``, from operands of
 ``POISSON_WRITTEN_OUT_FROM_BYTES``) are autograd functions with their derivatives written
 out: about half the passes over the operands of autograd through PyTorch's formula. Their
 values and gradients are PyTorch's up to rounding (a product and a sum rounded once, not
-twice). Elsewhere (the CPU, 16-bit operands outside autocast, smaller or ``full`` Poisson
+twice). Elsewhere (the CPU, float16 operands outside autocast, smaller or ``full`` Poisson
 losses, ``torch.compile``, torch.func transforms and forward-mode AD, tensor subclasses)
 the losses are PyTorch's own operations.
 """
@@ -30,7 +30,9 @@ from .losses import reduced
 from .reductions import Dims
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
-_WIDE = (torch.float32, torch.float64)
+# bfloat16 has float32's range, so the written-out order of operations overflows where
+# PyTorch's does (or, where PyTorch's square overflows, later); float16's does not
+_WRITTEN_OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # From operands of this many bytes on (both together), the Poisson NLL takes its written-out
 # function. Below, its step is bound by the host, where the Python function costs about what
 # the launches it saves do (docs/reliability.md); the Gaussian one saves more launches, at
@@ -60,12 +62,12 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
 
 
 def _written_out_applies(*operands: Tensor) -> bool:
-    """Whether the written-out autograd functions take these operands (as computed): float32
-    and float64 tensors on a GPU, in eager mode, outside torch.func transforms and
-    forward-mode AD. 16-bit operands keep PyTorch's formula: computed in float32 (a 16-bit
-    quotient could overflow where PyTorch's order of operations does not), their loss would
-    move more bytes than PyTorch's."""
-    return (all(isinstance(t, Tensor) and t.is_cuda and t.dtype in _WIDE for t in operands)
+    """Whether the written-out autograd functions take these operands (as computed): float32,
+    float64 and bfloat16 tensors on a GPU, in eager mode, outside torch.func transforms and
+    forward-mode AD. float16 operands keep PyTorch's formula: in float16 a product or
+    quotient in the written-out order could overflow where PyTorch's does not, and computed
+    in float32 their loss would move more bytes than PyTorch's."""
+    return (all(isinstance(t, Tensor) and t.is_cuda and t.dtype in _WRITTEN_OUT_DTYPES for t in operands)
             and not torch.compiler.is_compiling() and not routing.under_a_transform()
             and routing.no_torch_function(*operands))
 
