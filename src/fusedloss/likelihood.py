@@ -220,7 +220,9 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
                 reduce: bool | None, reduction: str, weight: Tensor | None, scale: float | Tensor | None, dim: Dims,
                 keepdim: bool) -> Tensor:
     written_out = None
-    if not full and isinstance(input, Tensor) and isinstance(target, Tensor):
+    if (not full and isinstance(input, Tensor) and isinstance(target, Tensor)
+            # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
+            and 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES):
         autocast = routing.under_autocast(input, target)
         # the bytes of the operands as computed (autocast's float32 copies), before making any
         computed_bytes = sum(t.numel() * (4 if autocast and t.dtype in routing.SIXTEEN_BIT else t.element_size())
