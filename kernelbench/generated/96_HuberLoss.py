@@ -416,7 +416,13 @@ struct PairOp {
   struct Params {
     LossParam<T> loss, input_grad, target_grad;
   };
-  __device__ __forceinline__ Params params() const { return Params{param, input_grad_param, target_grad_param}; }
+  __device__ __forceinline__ Params params() const {
+    if constexpr (Loss::kParamInLossDtype) {
+      return Params{param, input_grad_param, target_grad_param};
+    } else {
+      return Params{param, param, param};
+    }
+  }
 
   using InputGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, In, Out>;
   using TargetGradDtype = std::conditional_t<Loss::kGradInOwnDtype && !kFloat32Math, Tgt, Out>;
