@@ -8,10 +8,13 @@ KernelBench's size only where a GPU is visible.
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -353,10 +356,25 @@ def test_main_eval_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 # ---- on a GPU, at KernelBench's size ---------------------------------------------------------
 
 
+@pytest.fixture
+def gpu_to_itself():
+    """One KernelBench-sized problem on the GPU at a time, across pytest-xdist's workers: two
+    side by side need more memory than one GPU has. The worker hands its cached blocks back
+    before the next one starts."""
+    with open(Path(tempfile.gettempdir()) / "fusedloss-kernelbench-gpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @requires_cuda
 @pytest.mark.parametrize("inputs", kernelbench.INPUT_MODES)
 @pytest.mark.parametrize("name", NAMES)
-def test_exported_file_passes_on_gpu(name: str, inputs: str) -> None:
+def test_exported_file_passes_on_gpu(name: str, inputs: str, gpu_to_itself: None) -> None:
     # Timing (with its torch.compile) once per problem is enough to exercise it.
     timing_trials = 5 if inputs == "rand" else 0
     result = evaluate(REFERENCE / f"{name}.py", GENERATED / f"{name}.py", inputs=inputs, timing_trials=timing_trials)
@@ -375,6 +393,7 @@ def test_exported_file_passes_on_gpu(name: str, inputs: str) -> None:
         ("quadratic_only_smooth_l1.py", "96_HuberLoss.py", {"perturbation"}),
     ],
 )
-def test_broken_file_fails_on_gpu(broken: str, reference: str, failed_checks: set[str]) -> None:
+def test_broken_file_fails_on_gpu(broken: str, reference: str, failed_checks: set[str],
+                                  gpu_to_itself: None) -> None:
     result = evaluate(REFERENCE / reference, BROKEN / broken, trials=1, timing_trials=0, check_static=False)
     assert not result.passed and result.failed_check in failed_checks, result.reason
