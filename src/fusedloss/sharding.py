@@ -211,7 +211,6 @@ class _LossOfShards(torch.autograd.Function):
     def backward(ctx, grad_output: DTensor) -> tuple[DTensor | None, ...]:
         input, target, local_input, local_target, out = ctx.saved_tensors
         wanted = ctx.needs_input_grad[:2]
-        mesh = input.device_mesh
         if torch.is_grad_enabled():  # create_graph: the loss again, on a route autograd sees whole
             with torch.enable_grad():
                 loss = ctx.again(input, target)
@@ -221,13 +220,23 @@ class _LossOfShards(torch.autograd.Function):
         # the gradient of a partial sum is replicated, as DTensor.from_local's backward has it
         placements = tuple(Replicate() if p.is_partial() else p for p in ctx.placements)
         if tuple(grad_output.placements) != placements:
-            grad_output = grad_output.redistribute(mesh, placements)
+            grad_output = grad_output.redistribute(input.device_mesh, placements)
         # the shards' graph is kept as long as this node's saved tensors: a retained graph's
         # second backward finds it
         grads = iter(torch.autograd.grad(out, [t for t, w in zip((local_input, local_target), wanted) if w],
                                          grad_output._local_tensor, retain_graph=True))
         return tuple(_gradient(next(grads), operand) if w else None
                      for operand, w in zip((input, target), wanted)) + (None,) * 5
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of this shape, as torch lays one out (a dimension
+    of size 0 counts as 1), without making one."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _gradient(local: Tensor, operand: DTensor) -> DTensor:
@@ -262,8 +271,7 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
     again = functools.partial(sharded_loss, loss, param, reduction=reduction, weight=weight, scale=scale)
     if reduction == "none":
         return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
-                                   again, tuple(placements), input.shape,
-                                   torch.empty(input.shape, device="meta").stride())
+                                   again, tuple(placements), input.shape, _contiguous_strides(input.shape))
     # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
     if reduction == "mean":
