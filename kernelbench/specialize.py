@@ -8,7 +8,8 @@ such a unit to what the problem needs, as the compiler would see it:
 1. conditionals on the macros the files fix (``MACROS``, and ``__CUDACC__``)
    are resolved;
 2. comments, which would name what is removed, are left out (csrc/ has them);
-3. the loss table (``FUSEDLOSS_FOR_EACH_LOSS``) keeps the problem's row;
+3. the loss table (``FUSEDLOSS_FOR_EACH_LOSS``) keeps the problem's row, and
+   what names the other rows' loss structs (a trait's specialization) is left out;
 4. of each file's top-level declarations, only those the operator reaches
    through the names they use are kept (a file none of whose declarations is
    reached is left out whole), and each system ``#include`` once;
@@ -273,14 +274,20 @@ def translation_unit(pieces: list[tuple[str, str]], *, cuda: bool, loss: str, ro
     reach, for one `loss` and float32 operands, as one source text; `cuda`: nvcc compiles it."""
     macros = {**MACROS, "__CUDACC__": cuda}
     items: list[_Item] = []
+    every_loss_struct: set[str] = set()
     for file, text in pieces:
-        items += _items(file, restrict_loss_table(without_comments(resolve_conditionals(text, macros)), loss))
+        text = without_comments(resolve_conditionals(text, macros))
+        every_loss_struct |= {f"{row.group(1)}Loss" for table in _LOSS_TABLE.finditer(text)
+                              for row in _LOSS_ROW.finditer(table.group(1))}
+        items += _items(file, restrict_loss_table(text, loss))
     loss_structs = {f"{row.group(1)}Loss" for item in items if "FUSEDLOSS_FOR_EACH_LOSS" in item.names
                     for row in _LOSS_ROW.finditer("".join(item.lines))}
     for item in items:
         if item.file in root_files and item.kind == "declaration":
             roots = roots | item.uses | item.names
-    reached = _reached(items, roots, loss_structs)
+    # a declaration for another row's loss (a trait's specialization for it) is never reached
+    others = every_loss_struct - loss_structs
+    reached = _reached([item for item in items if not item.uses & others], roots, loss_structs)
     kept_files = {item.file for item in reached}
     parts, includes = [], set()
     for item in items:

@@ -154,6 +154,11 @@ struct MseLoss {
   __device__ __forceinline__ static T grad(T d, LossParam<T>) { return d + d; }
 };
 
+template <typename T>
+struct ValueAndGrad {
+  T value, grad;
+};
+
 template <class Loss>
 struct Float32Math : Loss {};
 
@@ -161,6 +166,11 @@ template <class Loss>
 struct IsFloat32Math : std::false_type {};
 template <class Loss>
 struct IsFloat32Math<Float32Math<Loss>> : std::true_type {};
+
+template <class Loss>
+struct HasValueAndGrad : std::false_type {};
+template <class Loss>
+struct HasValueAndGrad<Float32Math<Loss>> : HasValueAndGrad<Loss> {};
 
 }
 
@@ -439,6 +449,13 @@ struct PairOp {
     return Loss::template value<Out>(diff_in<Out>(x, y), p.loss);
   }
   __device__ __forceinline__ T value(const In& x, const Tgt& y) const { return value(x, y, params()); }
+  static constexpr bool kSharesValueAndGrad =
+      HasValueAndGrad<Loss>::value && !Loss::kParamInLossDtype && std::is_same_v<InputGradDtype, Out> &&
+      std::is_same_v<TargetGradDtype, Out> && std::is_same_v<GradOut, Out>;
+  __device__ __forceinline__ ValueAndGrad<T> value_and_input_grad(const In& x, const Tgt& y, const Params& p) const {
+    static_assert(kSharesValueAndGrad, "value and input_grad apart otherwise");
+    return Loss::template value_and_grad<Out>(diff_in<Out>(x, y), p.loss);
+  }
   __device__ __forceinline__ T input_grad(const In& x, const Tgt& y, const Params& p) const {
     return Loss::template grad<GradOut>(diff_in<InputGradDtype>(x, y), p.input_grad);
   }
@@ -508,14 +525,23 @@ struct ReducedLossOp : PairOp<Loss, In, Tgt>, GradPointers<kGrads, In, Tgt> {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const auto params = weights.template params<Loss>(c.weight, k, this->params());
-      const T value = this->value(c.input[k], c.target[k], params);
-      chunk_sum += weights.template summand<Loss>(c.weight, k, value);
-      const T factor = weights.template gradient_factor<Loss>(c.weight, k, grad_scale);
-      if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor, params);
-      if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
-        gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor, params);
+      if constexpr (Base::kSharesValueAndGrad && kGrads != Grads::kNone) {
+        const ValueAndGrad<T> both = this->value_and_input_grad(c.input[k], c.target[k], params);
+        chunk_sum += weights.template summand<Loss>(c.weight, k, both.value);
+        const T factor = weights.template gradient_factor<Loss>(c.weight, k, grad_scale);
+        if (this->writes_input()) gi[k] = Convert<In>::from(both.grad * factor);
+        if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) gt[k] = Convert<Tgt>::from(-both.grad * factor);
+        if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(both.value * grad_scale);
+      } else {
+        const T value = this->value(c.input[k], c.target[k], params);
+        chunk_sum += weights.template summand<Loss>(c.weight, k, value);
+        const T factor = weights.template gradient_factor<Loss>(c.weight, k, grad_scale);
+        if (this->writes_input()) gi[k] = this->rounded_input_grad(c.input[k], c.target[k], factor, params);
+        if constexpr (GradPointers<kGrads, In, Tgt>::kWritesTarget) {
+          gt[k] = this->rounded_target_grad(c.input[k], c.target[k], factor, params);
+        }
+        if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(value * grad_scale);
       }
-      if constexpr (kWritesWeightGradient) gw[k] = Convert<Out>::from(value * grad_scale);
     }
     sum += double(chunk_sum);
     if (this->writes_input()) store_chunk(this->grad_input, first, gi);

@@ -171,22 +171,43 @@ __device__ __forceinline__ PseudoHuberParts<T> pseudo_huber_parts(T d, T c) {
   return parts;
 }
 
+// A loss and its derivative at one d (value_and_grad).
+template <typename T>
+struct ValueAndGrad {
+  T value, grad;
+};
+
 // Diffusers' scheduled Huber and Charbonnier: 2c(sqrt(d^2 + c^2) - c), c > 0.
 // Within |d| <= c it is written 2c d (d / (sqrt(d^2 + c^2) + c)), the same value
 // without the cancellation that loses small d's digits.
+// value_and_grad gives both from one set of parts, with the bits value and grad give: a pass
+// that computes both calls the out-of-range path once per element, not twice (each call
+// makes the compiler recompute d and c^2 around it).
 struct PseudoHuberLoss {
   static constexpr bool kOutputHasInputDtype = false;
   static constexpr bool kGradInOwnDtype = false;
   static constexpr bool kParamInLossDtype = false;
+  template <typename T>
+  __device__ __forceinline__ static T value_of(T d, T c, const PseudoHuberParts<T>& parts) {
+    const T twice_c = c + c;
+    return fabs(d) <= c ? twice_c * (d * parts.near_ratio) : twice_c * parts.far;
+  }
+  template <typename T>
+  __device__ __forceinline__ static T grad_of(T c, const PseudoHuberParts<T>& parts) {
+    return (c + c) * parts.slope;  // |slope| <= 1
+  }
   template <typename Out, typename T>
   __device__ __forceinline__ static T value(T d, LossParam<T> c) {
-    const PseudoHuberParts<T> parts = pseudo_huber_parts<Out>(d, c.value);
-    const T twice_c = c.value + c.value;
-    return fabs(d) <= c.value ? twice_c * (d * parts.near_ratio) : twice_c * parts.far;
+    return value_of(d, c.value, pseudo_huber_parts<Out>(d, c.value));
   }
   template <typename Out, typename T>
   __device__ __forceinline__ static T grad(T d, LossParam<T> c) {
-    return (c.value + c.value) * pseudo_huber_parts<Out>(d, c.value).slope;  // |slope| <= 1
+    return grad_of(c.value, pseudo_huber_parts<Out>(d, c.value));
+  }
+  template <typename Out, typename T>
+  __device__ __forceinline__ static ValueAndGrad<T> value_and_grad(T d, LossParam<T> c) {
+    const PseudoHuberParts<T> parts = pseudo_huber_parts<Out>(d, c.value);
+    return {value_of(d, c.value, parts), grad_of(c.value, parts)};
   }
 };
 
@@ -344,6 +365,14 @@ struct TakesParamPerElement<QuantileLoss> : std::true_type {
 };
 template <class Loss>
 struct TakesParamPerElement<Float32Math<Loss>> : TakesParamPerElement<Loss> {};
+
+// The losses with value_and_grad: the loss and its derivative from one computation.
+template <class Loss>
+struct HasValueAndGrad : std::false_type {};
+template <>
+struct HasValueAndGrad<PseudoHuberLoss> : std::true_type {};
+template <class Loss>
+struct HasValueAndGrad<Float32Math<Loss>> : HasValueAndGrad<Loss> {};
 
 }  // namespace fusedloss
 
