@@ -348,6 +348,19 @@ def _graph_worker(rank, device, init_file, results_dir):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_a_none_loss_is_described_with_the_strides_torch_gives_its_shape():
+    """A sharded 'none' loss's spec holds the global loss's strides, computed as torch lays out
+    a new tensor of that shape (a dimension of size 0 or 1 included)."""
+    from fusedloss import sharding
+
+    rng = random.Random()
+    shapes = [(), (0,), (5,), (1, 1), (4, 0), (3, 0, 2), (7, 1, 3)]
+    shapes += [tuple(rng.choice([0, 1, 2, 3, 17]) for _ in range(rng.randint(1, 5))) for _ in range(20)]
+    for shape in shapes:
+        assert sharding._contiguous_strides(torch.Size(shape)) == torch.empty(shape, device="meta").stride(), shape
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_local_shards_graph_is_freed_retained_and_differentiated_twice(tmp_path, device):
     _spawn_two_ranks(_graph_worker, device, tmp_path)
