@@ -421,6 +421,53 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     assert not routing.pytorch_serves_the_step(losses.LOSSES["mse"], False)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_call_pytorch_serves_goes_straight_to_its_operator(device, monkeypatch):
+    """A step PyTorch serves (plain tensors of one shape wanting gradients; no weight, scale,
+    dim or legacy argument; a float param in its domain) is found before the kernels' checks
+    and is PyTorch's operator, with PyTorch's bits and gradients. Every other call takes the
+    usual route, which honours what it holds (here: the checks run, and raise)."""
+    monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)
+
+    def usual_route(*args):
+        raise AssertionError("the usual route's checks ran")
+
+    monkeypatch.setattr(routing, "kernels_apply", usual_route)
+    y = torch.randn(257, device=device)
+    for name, row in losses.LOSSES.items():
+        if not row.pytorch_kernels:
+            continue
+        function, _, keyword = LOSSES[name]
+        kwargs = loss_kwargs(name, PARAMS[name])
+        for reduction in ("mean", "sum", "none"):
+            x = torch.randn(257, device=device, requires_grad=True)
+            x2 = x.detach().clone().requires_grad_()
+            out = function(x, y, reduction=reduction, **kwargs)
+            expected = row.torch_function(x2, y, reduction=reduction, **kwargs)
+            (out * 0.37).sum().backward()
+            (expected * 0.37).sum().backward()
+            assert torch.equal(out, expected) and torch.equal(x.grad, x2.grad), (name, reduction)
+        x = torch.randn(257, device=device, requires_grad=True)
+        others = [lambda: function(x.detach(), y, **kwargs),  # no gradient wanted
+                  lambda: function(x[:, None], y, **kwargs),  # a target that broadcasts
+                  lambda: function(x, y, reduction="batchmean", **kwargs),
+                  lambda: function(x, y, scale=2.0, **kwargs),
+                  lambda: function(x, y, weight=torch.ones_like(y), **kwargs),
+                  lambda: function(x[None], y[None], dim=1, **kwargs)]
+        if row.param:
+            others.append(lambda: function(x, y, **{keyword: 1}))
+        if row.param_zero_is:
+            others.append(lambda: function(x, y, **{keyword: 0.0}))
+        if row.function != "huber_loss":  # PyTorch's legacy arguments
+            others.append(lambda: function(x, y, size_average=False))
+        for call in others:
+            with pytest.raises(AssertionError, match="usual route"):
+                call()
+        with torch.device(device), pytest.raises(AssertionError, match="usual route"):  # a torch function mode
+            function(x, y, **kwargs)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_loss_dtype_rule_matches_torch(dtype):
     for other in FLOAT_DTYPES:

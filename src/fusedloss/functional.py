@@ -293,6 +293,10 @@ def _loss(
     a tensor param's formula, the weighted path, the fused kernels, or PyTorch's loss (the
     formula, for a loss PyTorch has not)."""
     row = LOSSES[name]
+    if (row.pytorch_kernels and weight is None and scale is None and dim is None and size_average is None
+            and reduce is None and (row.param is None or (type(param) is float and 0 < param <= row.param_max))
+            and routing.pytorch_serves_the_call(row, input, target, reduction)):
+        return routing.pytorch_loss(row, input, target, reduction, param)
     weighted_call = weight is not None or scale is not None
     if not row.pytorch:
         _check_reduction(reduction)

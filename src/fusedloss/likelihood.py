@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import _reduction
+from torch.overrides import has_torch_function_variadic
 
 from . import ops, reductions, routing
 from .losses import reduced
@@ -231,6 +232,10 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
             computed = ops.as_computed(input, target, autocast)
             written_out = computed if _written_out_applies(*computed) else None
     if weight is None and scale is None and dim is None and written_out is None:
+        if (size_average is None and reduce is None and reduction in routing.MODES
+                and not has_torch_function_variadic(input, target)):
+            # what torch.nn.functional calls, without its checks, which these are
+            return torch.poisson_nll_loss(input, target, log_input, full, eps, routing.REDUCTION_ENUMS[reduction])
         return F.poisson_nll_loss(input, target, log_input=log_input, full=full, size_average=size_average, eps=eps,
                                   reduce=reduce, reduction=reduction)
     if size_average is not None or reduce is not None:

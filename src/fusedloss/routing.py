@@ -36,12 +36,14 @@ def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Ten
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
-_REDUCTION_ENUMS = {name: enum for enum, name in _REDUCTION_NAMES.items()}
+REDUCTION_ENUMS = {name: enum for enum, name in _REDUCTION_NAMES.items()}
 MODES = ("mean", "sum", "none")
 # where autocast may run (torch.is_autocast_enabled raises for others, such as meta)
 _AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
 _NO_GRADIENTS = [False, False]
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+# PyTorch's loss operators, for the losses whose steps it serves (pytorch_serves_the_step)
+_NATIVE_LOSSES = {row.function: getattr(torch._C._nn, row.function) for row in LOSSES.values() if row.pytorch_kernels}
 # From operands of this many bytes on (both together), a mean or sum writes its
 # gradient in the forward pass, for the grad_output it expects (grad_output_prediction).
 # Below, a step is bound by host time, not memory: backward computes the gradient
@@ -68,6 +70,29 @@ def pytorch_serves_the_step(row: Loss, forward_writes: bool) -> bool:
     step moves no fewer bytes than PyTorch's (backward reads the operands again), so host time
     decides it, and PyTorch's C++ autograd node costs less of it than fusedloss's Python one."""
     return row.pytorch_kernels and not forward_writes and not build.cxx_autograd_loaded()
+
+
+def pytorch_serves_the_call(row: Loss, input: object, target: object, reduction: object) -> bool:
+    """Whether a call is a step pytorch_serves_the_step hands to PyTorch, found before any
+    other routing (functional._loss): plain tensors of one shape wanting gradients, for
+    'none' or below FUSED_GRADIENT_FROM_BYTES, outside torch.compile. Such a call goes
+    straight to PyTorch's operator, with less host time than torch.nn.functional's own
+    (whose checks and broadcast it does not need). The caller has checked that the call
+    has no weight, scale, dim or legacy arguments, and a float param in its domain."""
+    return (type(input) in _PLAIN_TENSORS and type(target) in _PLAIN_TENSORS
+            and (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
+            and reduction in MODES and target.shape == input.shape
+            and not has_torch_function_variadic(input, target) and not torch.compiler.is_compiling()
+            and (reduction == "none"
+                 or input.numel() * (input.element_size() + target.element_size()) < FUSED_GRADIENT_FROM_BYTES)
+            and pytorch_serves_the_step(row, False))
+
+
+def pytorch_loss(row: Loss, input: Tensor, target: Tensor, reduction: str, param: float) -> Tensor:
+    """PyTorch's own loss operator (what torch.nn.functional calls) on operands of one shape."""
+    native = _NATIVE_LOSSES[row.function]
+    return native(input, target, REDUCTION_ENUMS[reduction], param) if row.param else native(
+        input, target, REDUCTION_ENUMS[reduction])
 
 
 def kernels_apply(input: Tensor, target: Tensor) -> bool:
@@ -149,9 +174,7 @@ def fused_loss(
         # this function has taken
         if not same_shape:
             input, target = torch.broadcast_tensors(input, target)
-        native = getattr(torch._C._nn, row.function)
-        return native(input, target, _REDUCTION_ENUMS[mode], param) if row.param else native(
-            input, target, _REDUCTION_ENUMS[mode])
+        return pytorch_loss(row, input, target, mode, param)
     autocast = under_autocast(input, target)
     if mode == "none":
         if wants_gradients and build.cxx_autograd_loaded():
