@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
+import gc
 import os
 import secrets
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,22 @@ import fusedloss
 from fusedloss import formulas, functional, losses, routing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def gpu_to_itself():
+    """One test of GPU-filling size at a time across pytest-xdist's workers (KernelBench's
+    2^30-element problems, operands past FUSED_GRADIENT_FROM_BYTES with their float64
+    references): several side by side need more memory than one GPU has. The worker hands
+    its cached blocks back before the next one starts."""
+    with open(Path(tempfile.gettempdir()) / "fusedloss-large-gpu-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DTYPE_PAIRS = [(a, b) for a in FLOAT_DTYPES for b in FLOAT_DTYPES]

@@ -17,7 +17,7 @@ GIB = 1 << 30
 
 
 @pytest.fixture(autouse=True)
-def kernels():
+def kernels(gpu_to_itself):
     build.load()
     yield
     torch.cuda.empty_cache()

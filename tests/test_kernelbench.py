@@ -8,13 +8,10 @@ KernelBench's size only where a GPU is visible.
 
 from __future__ import annotations
 
-import fcntl
-import gc
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -354,21 +351,6 @@ def test_main_eval_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ---- on a GPU, at KernelBench's size ---------------------------------------------------------
-
-
-@pytest.fixture
-def gpu_to_itself():
-    """One KernelBench-sized problem on the GPU at a time, across pytest-xdist's workers: two
-    side by side need more memory than one GPU has. The worker hands its cached blocks back
-    before the next one starts."""
-    with open(Path(tempfile.gettempdir()) / "fusedloss-kernelbench-gpu.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            gc.collect()
-            torch.cuda.empty_cache()
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @requires_cuda

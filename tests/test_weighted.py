@@ -1157,7 +1157,7 @@ def test_cuda_same_bits_twice(cuda, name, reduction, dtype):
 @requires_cuda
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", LOSSES)
-def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monkeypatch):
+def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monkeypatch, gpu_to_itself):
     """2**25 float32 elements: operands past FUSED_GRADIENT_FROM_BYTES, so the forward
     writes the gradient; the same bits as backward computing it, and float64's values."""
     shape = (8, 4, 1 << 20)
@@ -1184,7 +1184,7 @@ def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monke
 @pytest.mark.parametrize("weight_shape", ["full", (1, 4, 1), ()], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", ["mse", "pseudo_huber"])
-def test_cuda_weight_gradient_written_by_the_forward(cuda, name, reduction, weight_shape, dtype, monkeypatch):
+def test_cuda_weight_gradient_written_by_the_forward(cuda, name, reduction, weight_shape, dtype, monkeypatch, gpu_to_itself):
     """A weight that requires grad: the forward's pass writes its gradient beside the
     input's (operands past FUSED_GRADIENT_FROM_BYTES), with the same bits as backward
     computing it, for grad_output 1 and not 1, and float64's values; the weighted mean's
