@@ -466,6 +466,9 @@ def test_a_call_pytorch_serves_goes_straight_to_its_operator(device, monkeypatch
                 call()
         with torch.device(device), pytest.raises(AssertionError, match="usual route"):  # a torch function mode
             function(x, y, **kwargs)
+        # under torch.func's grad a call is served too, and gets PyTorch's gradient
+        ours = torch.func.grad(lambda a: function(a, y, **kwargs))(x.detach())
+        assert torch.equal(ours, torch.func.grad(lambda a: row.torch_function(a, y, **kwargs))(x.detach())), name
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
