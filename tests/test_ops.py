@@ -426,7 +426,10 @@ def test_a_call_pytorch_serves_goes_straight_to_its_operator(device, monkeypatch
     """A step PyTorch serves (plain tensors of one shape wanting gradients; no weight, scale,
     dim or legacy argument; a float param in its domain) is found before the kernels' checks
     and is PyTorch's operator, with PyTorch's bits and gradients. Every other call takes the
-    usual route, which honours what it holds (here: the checks run, and raise)."""
+    usual route, which honours what it holds (here: the checks run, and raise). On a GPU
+    the first call loads the kernels (and the C++ autograd, where it is built)."""
+    if device == "cuda":
+        build.load("plain")
     monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)
 
@@ -469,6 +472,10 @@ def test_a_call_pytorch_serves_goes_straight_to_its_operator(device, monkeypatch
         # under torch.func's grad a call is served too, and gets PyTorch's gradient
         ours = torch.func.grad(lambda a: function(a, y, **kwargs))(x.detach())
         assert torch.equal(ours, torch.func.grad(lambda a: row.torch_function(a, y, **kwargs))(x.detach())), name
+    if device == "cuda":  # before the kernels' first call, a GPU's call takes the usual route, which loads them
+        monkeypatch.setattr(build, "_loaded", {})
+        with pytest.raises(AssertionError, match="usual route"):
+            fusedloss.mse_loss(torch.randn(257, device=device, requires_grad=True), y)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

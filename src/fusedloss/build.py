@@ -809,6 +809,12 @@ def user_stacklevel() -> int:
     return level
 
 
+def kernels_loaded(family: str = "plain") -> bool:
+    """Whether `family`'s kernels are loaded in this process (the plain family's load also
+    loads the C++ autograd, where it is built)."""
+    return family in _loaded
+
+
 def use_kernels(family: str = "plain") -> bool:
     """Whether CUDA operands go to the `family` of fusedloss's kernels (loading them on first call).
 

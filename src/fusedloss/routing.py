@@ -75,16 +75,19 @@ def pytorch_serves_the_step(row: Loss, forward_writes: bool) -> bool:
 def pytorch_serves_the_call(row: Loss, input: object, target: object, reduction: object) -> bool:
     """Whether a call is a step pytorch_serves_the_step hands to PyTorch, found before any
     other routing (functional._loss): plain tensors of one shape wanting gradients, for
-    'none' or below FUSED_GRADIENT_FROM_BYTES, outside torch.compile. Such a call goes
-    straight to PyTorch's operator, with less host time than torch.nn.functional's own
-    (whose checks and broadcast it does not need). The caller has checked that the call
-    has no weight, scale, dim or legacy arguments, and a float param in its domain."""
+    'none' or below FUSED_GRADIENT_FROM_BYTES, outside torch.compile; on a GPU, once the
+    kernels are loaded (their first call loads the C++ autograd where it is built, which
+    then serves such steps). Such a call goes straight to PyTorch's operator, with less
+    host time than torch.nn.functional's own (whose checks and broadcast it does not
+    need). The caller has checked that the call has no weight, scale, dim or legacy
+    arguments, and a float param in its domain."""
     return (type(input) in _PLAIN_TENSORS and type(target) in _PLAIN_TENSORS
             and (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
             and reduction in MODES and target.shape == input.shape
             and not has_torch_function_variadic(input, target) and not torch.compiler.is_compiling()
             and (reduction == "none"
                  or input.numel() * (input.element_size() + target.element_size()) < FUSED_GRADIENT_FROM_BYTES)
+            and (not input.is_cuda or build.kernels_loaded())
             and pytorch_serves_the_step(row, False))
 
 
