@@ -36,6 +36,7 @@ def gpu_to_itself():
             torch.cuda.empty_cache()
             fcntl.flock(lock, fcntl.LOCK_UN)
 
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DTYPE_PAIRS = [(a, b) for a in FLOAT_DTYPES for b in FLOAT_DTYPES]
 

@@ -1184,7 +1184,8 @@ def test_cuda_large_gradient_written_by_the_forward(cuda, name, reduction, monke
 @pytest.mark.parametrize("weight_shape", ["full", (1, 4, 1), ()], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("name", ["mse", "pseudo_huber"])
-def test_cuda_weight_gradient_written_by_the_forward(cuda, name, reduction, weight_shape, dtype, monkeypatch, gpu_to_itself):
+def test_cuda_weight_gradient_written_by_the_forward(cuda, name, reduction, weight_shape, dtype, monkeypatch,
+                                                    gpu_to_itself):
     """A weight that requires grad: the forward's pass writes its gradient beside the
     input's (operands past FUSED_GRADIENT_FROM_BYTES), with the same bits as backward
     computing it, for grad_output 1 and not 1, and float64's values; the weighted mean's

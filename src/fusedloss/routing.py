@@ -85,8 +85,7 @@ def pytorch_serves_the_call(row: Loss, input: object, target: object, reduction:
             and (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
             and reduction in MODES and target.shape == input.shape
             and not has_torch_function_variadic(input, target) and not torch.compiler.is_compiling()
-            and (reduction == "none"
-                 or input.numel() * (input.element_size() + target.element_size()) < FUSED_GRADIENT_FROM_BYTES)
+            and (reduction == "none" or not forward_writes_gradients(input, target, input.numel()))
             and (not input.is_cuda or build.kernels_loaded())
             and pytorch_serves_the_step(row, False))
 
