@@ -372,8 +372,9 @@ def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
 def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     """Without the C++ autograd, a step (gradients wanted) of a loss PyTorch computes with
     kernels of its own is PyTorch's, with its bits, for 'none' and below
-    FUSED_GRADIENT_FROM_BYTES; other losses, calls without gradients, larger means and
-    sums, and every call with the C++ autograd take the kernels."""
+    FUSED_GRADIENT_FROM_BYTES, and so is one of a loss it composes (L1) below that
+    threshold only; other losses, calls without gradients, larger steps, and every call
+    with the C++ autograd take the kernels."""
     monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)
     calls = []
@@ -391,8 +392,8 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
             x = torch.randn(1000, device=device, requires_grad=True)
             out = function(x, y, reduction=reduction, **kwargs)
             (out * 0.37).sum().backward()
-            assert bool(calls) != row.pytorch_kernels, (name, reduction)
-            if row.pytorch_kernels:
+            assert bool(calls) != row.pytorch_serves_steps, (name, reduction)
+            if row.pytorch_serves_steps:
                 x2 = x.detach().clone().requires_grad_()
                 expected = row.torch_function(x2, y, reduction=reduction, **kwargs)
                 (expected * 0.37).sum().backward()
@@ -412,13 +413,45 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     expected.backward()
     assert len(caught) == 1 and torch.equal(out, expected) and torch.equal(x.grad, x2.grad)
     x = torch.randn(1000, device=device, requires_grad=True)
+    # a weighted step below a quarter of the threshold: PyTorch's loss and torch operations, with their bits
+    weight = torch.rand(1000, device=device)
+    weighted_calls = {
+        "weight": lambda f, a: f(a, y, weight=weight),
+        "mask and a count": lambda f, a: f(a, y, weight=(weight > 0.5).float(), reduction="sum",
+                                           scale=1 / (weight > 0.5).sum()),
+        "scale": lambda f, a: f(a, y, scale=0.5)}
+    for name, row in losses.LOSSES.items():
+        function = LOSSES[name][0]
+        kwargs = loss_kwargs(name, PARAMS[name])
+        for label, call in weighted_calls.items():
+            for threshold, served in ((1 << 28, row.pytorch_serves_steps), (1000 * 8 * 4, False)):
+                monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
+                calls.clear()
+                x = torch.randn(1000, device=device, requires_grad=True)
+                out = call(lambda *a, **k: function(*a, **k, **kwargs), x)
+                out.backward()
+                assert bool(calls) != served, (name, label, threshold)
+                x2 = x.detach().clone().requires_grad_()
+                monkeypatch.setattr(routing, "pytorch_serves_the_step", lambda *args: False)
+                expected = call(lambda *a, **k: function(*a, **k, **kwargs), x2)
+                expected.backward()
+                monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
+                rtol, atol = TOLERANCE[torch.float32]
+                torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+                torch.testing.assert_close(x.grad, x2.grad, rtol=rtol, atol=atol)
     monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1000 * 8)  # a mean whose forward writes the gradient
-    calls.clear()
-    fusedloss.mse_loss(x, y).backward()
-    fusedloss.mse_loss(x, y, reduction="none").sum().backward()
-    assert len(calls) == 1
+    for function, fused_reductions in ((fusedloss.mse_loss, ["mean"]), (fusedloss.l1_loss, ["mean", "none"])):
+        for reduction in ("mean", "none"):
+            calls.clear()
+            function(x, y, reduction=reduction).sum().backward()
+            assert bool(calls) == (reduction in fused_reductions), (function, reduction)
+            calls.clear()  # below the threshold, PyTorch's
+            function(x[:100], y[:100], reduction=reduction).sum().backward()
+            assert not calls, (function, reduction)
+    monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1 << 28)
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: True)
-    assert not routing.pytorch_serves_the_step(losses.LOSSES["mse"], False)
+    for name in ("mse", "l1"):
+        assert not routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -439,7 +472,7 @@ def test_a_call_pytorch_serves_goes_straight_to_its_operator(device, monkeypatch
     monkeypatch.setattr(routing, "kernels_apply", usual_route)
     y = torch.randn(257, device=device)
     for name, row in losses.LOSSES.items():
-        if not row.pytorch_kernels:
+        if not row.pytorch_serves_steps:
             continue
         function, _, keyword = LOSSES[name]
         kwargs = loss_kwargs(name, PARAMS[name])

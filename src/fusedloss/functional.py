@@ -10,7 +10,10 @@ other dtypes, tensor subclasses, invalid beta or delta, operands on different
 devices, torch.func transforms and forward-mode AD (which need PyTorch's
 rules), ``torch.compile`` (whose inductor fuses PyTorch's formula with the ops
 around the loss), and everything when the kernels cannot be built (see
-``build.use_kernels``).
+``build.use_kernels``). A small step (wanting gradients) of a loss PyTorch has an
+operator for (MSE, L1, Smooth L1, Huber) is bound by host time: without the C++
+autograd it is PyTorch's own, and so is a small weighted one, PyTorch's loss with
+torch operations for the weight and scale (``routing.pytorch_serves_the_step``).
 
 Weights and scale (every loss):
 
@@ -293,7 +296,7 @@ def _loss(
     a tensor param's formula, the weighted path, the fused kernels, or PyTorch's loss (the
     formula, for a loss PyTorch has not)."""
     row = LOSSES[name]
-    if (row.pytorch_kernels and weight is None and scale is None and dim is None and size_average is None
+    if (row.pytorch_serves_steps and weight is None and scale is None and dim is None and size_average is None
             and reduce is None and (row.param is None or (type(param) is float and 0 < param <= row.param_max))
             and routing.pytorch_serves_the_call(row, input, target, reduction)):
         return routing.pytorch_loss(row, input, target, reduction, param)

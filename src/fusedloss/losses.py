@@ -33,6 +33,10 @@ class Loss:
     # PyTorch computes it with a kernel of its own and its gradient with another (ATen's
     # loss and loss_backward, not a composite of operations), behind a C++ autograd node
     pytorch_kernels: bool = False
+    # PyTorch composes it from ATen operations behind C++ autograd nodes (L1: sub, abs, mean):
+    # they move more bytes than the fused step, but below routing.FUSED_GRADIENT_FROM_BYTES a
+    # step is bound by host time, and they cost less of it than the Python autograd
+    pytorch_composite: bool = False
     # the keyword of the loss's number (beta, delta, c, quantiles) and its default
     param: str | None = None
     param_default: float = 1.0
@@ -56,6 +60,12 @@ class Loss:
     def torch_function(self) -> Callable[..., Tensor] | None:
         """torch.nn.functional's function for this loss, where PyTorch has it."""
         return getattr(F, self.function) if self.pytorch else None
+
+    @property
+    def pytorch_serves_steps(self) -> bool:
+        """Whether PyTorch's own operator serves some of this loss's steps
+        (routing.pytorch_serves_the_step)."""
+        return self.pytorch_kernels or self.pytorch_composite
 
     @property
     def takes_param_tensor(self) -> bool:
@@ -92,7 +102,7 @@ LOSSES: dict[str, Loss] = {
         "l1_loss", "L1Loss",
         lambda i, t, reduction, _: F.l1_loss(i, t, reduction=reduction),
         lambda d, _: d.sgn(),
-        pytorch=True,
+        pytorch=True, pytorch_composite=True,
     ),
     "smooth_l1": Loss(
         "smooth_l1_loss", "SmoothL1Loss",

@@ -43,7 +43,8 @@ _AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps")
 _NO_GRADIENTS = [False, False]
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 # PyTorch's loss operators, for the losses whose steps it serves (pytorch_serves_the_step)
-_NATIVE_LOSSES = {row.function: getattr(torch._C._nn, row.function) for row in LOSSES.values() if row.pytorch_kernels}
+_NATIVE_LOSSES = {row.function: getattr(torch._C._nn, row.function) for row in LOSSES.values()
+                  if row.pytorch_serves_steps}
 # From operands of this many bytes on (both together), a mean or sum writes its
 # gradient in the forward pass, for the grad_output it expects (grad_output_prediction).
 # Below, a step is bound by host time, not memory: backward computes the gradient
@@ -63,31 +64,40 @@ def forward_writes_gradients(input: Tensor, target: Tensor, numel: int, weighted
             and (input.dtype == torch.float64) == (target.dtype == torch.float64))
 
 
-def pytorch_serves_the_step(row: Loss, forward_writes: bool) -> bool:
-    """Whether a step (the loss, wanting gradients) is PyTorch's own: without the C++ autograd,
-    for a loss PyTorch computes with its own forward and backward kernels, where the forward
-    writes no gradient (reduction='none', or below FUSED_GRADIENT_FROM_BYTES). There the fused
-    step moves no fewer bytes than PyTorch's (backward reads the operands again), so host time
-    decides it, and PyTorch's C++ autograd node costs less of it than fusedloss's Python one."""
-    return row.pytorch_kernels and not forward_writes and not build.cxx_autograd_loaded()
+def pytorch_serves_the_step(row: Loss, mode: str, input: Tensor, target: Tensor, numel: int,
+                            weighted: bool = False) -> bool:
+    """Whether a step (the loss of `numel` elements, wanting gradients) is PyTorch's own:
+    its loss, and for a `weighted` step (weight= or scale=) torch operations for the weight
+    and scale, each behind a C++ autograd node. Where the fused step's forward writes no
+    gradient (below FUSED_GRADIENT_FROM_BYTES, a quarter of it weighted), the step is bound
+    by host time, and those nodes cost less of it than fusedloss's Python autograd; the C++
+    autograd serves the unweighted such steps where it is built. There a loss PyTorch
+    computes with its own forward and backward kernels moves no fewer bytes than the fused
+    step (also for reduction='none', at every size); a loss it composes from several
+    operations, or a weighted one, moves more, which only the steps bound by host time do
+    not feel."""
+    if not row.pytorch_serves_steps or (build.cxx_autograd_loaded() and not weighted):
+        return False
+    if row.pytorch_kernels and not weighted:
+        return mode == "none" or not forward_writes_gradients(input, target, numel)
+    below = FUSED_GRADIENT_FROM_BYTES >> 2 if weighted else FUSED_GRADIENT_FROM_BYTES
+    return numel * (input.element_size() + target.element_size()) < below
 
 
 def pytorch_serves_the_call(row: Loss, input: object, target: object, reduction: object) -> bool:
     """Whether a call is a step pytorch_serves_the_step hands to PyTorch, found before any
-    other routing (functional._loss): plain tensors of one shape wanting gradients, for
-    'none' or below FUSED_GRADIENT_FROM_BYTES, outside torch.compile; on a GPU, once the
-    kernels are loaded (their first call loads the C++ autograd where it is built, which
-    then serves such steps). Such a call goes straight to PyTorch's operator, with less
-    host time than torch.nn.functional's own (whose checks and broadcast it does not
-    need). The caller has checked that the call has no weight, scale, dim or legacy
-    arguments, and a float param in its domain."""
+    other routing (functional._loss): plain tensors of one shape wanting gradients,
+    outside torch.compile; on a GPU, once the kernels are loaded (their first call loads
+    the C++ autograd where it is built, which then serves such steps). Such a call goes
+    straight to PyTorch's operator, with less host time than torch.nn.functional's own
+    (whose checks and broadcast it does not need). The caller has checked that the call
+    has no weight, scale, dim or legacy arguments, and a float param in its domain."""
     return (type(input) in _PLAIN_TENSORS and type(target) in _PLAIN_TENSORS
             and (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
             and reduction in MODES and target.shape == input.shape
             and not has_torch_function_variadic(input, target) and not torch.compiler.is_compiling()
-            and (reduction == "none" or not forward_writes_gradients(input, target, input.numel()))
             and (not input.is_cuda or build.kernels_loaded())
-            and pytorch_serves_the_step(row, False))
+            and pytorch_serves_the_step(row, reduction, input, target, input.numel()))
 
 
 def pytorch_loss(row: Loss, input: Tensor, target: Tensor, reduction: str, param: float) -> Tensor:
@@ -168,10 +178,10 @@ def fused_loss(
     mode = reduction if reduction in MODES else _REDUCTION_NAMES[_reduction.get_enum(reduction)]
     wants_gradients = (input.requires_grad or target.requires_grad) and torch.is_grad_enabled()
     forward_writes = False
-    if wants_gradients and mode != "none":
+    if wants_gradients:
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
-        forward_writes = forward_writes_gradients(input, target, numel)
-    if wants_gradients and pytorch_serves_the_step(row, forward_writes):
+        forward_writes = mode != "none" and forward_writes_gradients(input, target, numel)
+    if wants_gradients and pytorch_serves_the_step(row, mode, input, target, numel):
         # torch.nn.functional's own call, whose steps (the warning, the reduction's name)
         # this function has taken
         if not same_shape:

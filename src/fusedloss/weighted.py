@@ -70,12 +70,18 @@ def weighted_loss(
         reductions.check_weight_broadcasts(weight, shape)
     if reduction not in routing.MODES:
         raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
-    if fusable and reduction != "none" and routing.kernels_apply(input, target):
+    wants_gradients = torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (input, target, weight, scale))
+    if (fusable and reduction != "none" and routing.kernels_apply(input, target) and not (
+            wants_gradients and routing.pytorch_serves_the_step(LOSSES[loss], reduction, input, target,
+                                                                shape.numel(), True))):
         autocast = routing.under_autocast(input, target)
         loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
         if _fused_weighted_applies(input, target, weight, scale, loss_dtype):
             return _fused_weighted_loss(loss, param, input, target, shape, reduction, weight, scale, autocast,
                                         loss_dtype, pytorch_case)
+    if weight is None:  # the loss as reduced without a scale (PyTorch's own reduction, where it serves), scaled
+        return reductions.reduce(unweighted(input, target, reduction), "none", None, scale)
     if not pytorch_case:
         return reductions.reduce(unweighted(input, target, "none"), reduction, weight, scale,
                                  mean_over_count=LOSSES[loss].weighted_mean_over_count)
