@@ -51,7 +51,7 @@ def systems(loss: str) -> dict:
         return function(p, t, param) if LOSSES[loss].param else function(p, t)
 
     def python_autograd(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return ops.ReducedLoss.apply(p, t, loss, param, "mean", [False, False], -1, 1.0, False)[0]
+        return ops.ReducedLoss.apply(p, t, (loss, param, "mean", [False, False], -1, 1.0, False))[0]
 
     return {"eager": EAGER[loss], "fused": fused, "python": python_autograd}
 

@@ -58,8 +58,8 @@ def _run(route, input, target, loss, param, reduction, grad):
 
 def _python(input, target, loss, param, reduction):
     if reduction == "none":
-        return ops.PointwiseLoss.apply(input, target, loss, param, False)
-    return ops.ReducedLoss.apply(input, target, loss, param, reduction, [False, False], -1, 1.0, False)[0]
+        return ops.PointwiseLoss.apply(input, target, (loss, param, False))
+    return ops.ReducedLoss.apply(input, target, (loss, param, reduction, [False, False], -1, 1.0, False))[0]
 
 
 @pytest.mark.parametrize("device", DEVICES)

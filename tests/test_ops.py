@@ -47,19 +47,22 @@ def test_schemas():
 
 
 def test_the_history_slot_reaches_the_backward_not_the_forward():
-    """The Functions take the backward's history slot after output_mask and hand the
-    forward operator the other arguments; through the operator the backward notes nowhere."""
+    """The Functions take the operator's tensors, then the other arguments in a tuple with the
+    backward's history slot after output_mask, and hand the forward operator the others;
+    through the operator the backward notes nowhere."""
     input, target = torch.randn(5, 7, requires_grad=True), torch.randn(5, 7)
     weight = torch.rand(5, 1)
     assert ops.ReducedLoss.history_slot_at == 6 and ops.WeightedLoss.history_slot_at == 9
     assert ops.PointwiseLoss.history_slot_at is None
-    out = ops.ReducedLoss.apply(input, target, "huber", 1.5, "mean", [True, False], 7, 0.5, False)
+    assert [f.tensor_arguments for f in (ops.PointwiseLoss, ops.ReducedLoss, ops.WeightedLoss, ops.PerSampleLoss)] == [
+        2, 2, 5, 2]
+    out = ops.ReducedLoss.apply(input, target, ("huber", 1.5, "mean", [True, False], 7, 0.5, False))
     assert out[0].grad_fn.slot == 7 and out[0].grad_fn.expected_grad_output == 0.5
     (grad,) = torch.autograd.grad(out[0], input)
     torch.testing.assert_close(grad, torch.autograd.grad(torch.nn.functional.huber_loss(input, target, delta=1.5),
                                                          input)[0])
-    out = ops.WeightedLoss.apply(input, target, weight, None, None, 0.5, "mse", 0.0, [True, False, False], 3, 2.0,
-                                 False, -1, False)
+    out = ops.call_function(ops.WeightedLoss, input, target, weight, None, None, 0.5, "mse", 0.0,
+                            [True, False, False], 3, 2.0, False, -1, False)
     assert out[0].grad_fn.slot == 3 and out[0].grad_fn.expected_grad_output == 2.0
     out = torch.ops.fusedloss.reduced_loss(input, target, "mse", 0.0, "sum", [True, False], 0.5)
     assert out[0].grad_fn.slot == -1 and out[0].grad_fn.expected_grad_output == 0.5

@@ -590,7 +590,7 @@ def _loss_gradients_composite(
 
 
 def _pointwise_setup_context(ctx, inputs, output) -> None:
-    input, target, ctx.loss, ctx.param, ctx.autocast = inputs
+    input, target, (ctx.loss, ctx.param, ctx.autocast) = inputs
     ctx.save_for_backward(input, target)
 
 
@@ -604,7 +604,7 @@ def _expanded(grad: Tensor) -> bool:
 
 def _pointwise_backward(ctx, grad: Tensor):
     input, target = ctx.saved_tensors
-    return (*_pointwise_gradients(ctx, grad, input, target), None, None, None)
+    return (*_pointwise_gradients(ctx, grad, input, target), None)
 
 
 def _pointwise_gradients(ctx, grad: Tensor, input: Tensor, target: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -625,7 +625,7 @@ def _pointwise_gradients(ctx, grad: Tensor, input: Tensor, target: Tensor) -> tu
 
 
 def _per_sample_setup_context(ctx, inputs, output) -> None:
-    input, target, ctx.loss, ctx.param, ctx.kept_dims, ctx.reduction, ctx.autocast = inputs
+    input, target, (ctx.loss, ctx.param, ctx.kept_dims, ctx.reduction, ctx.autocast) = inputs
     ctx.save_for_backward(input, target)
 
 
@@ -638,21 +638,28 @@ def _per_sample_backward(ctx, grad: Tensor):
     if ctx.reduction == "mean":
         grad = grad / math.prod(reduced)
     grad = grad.reshape(grad.shape + (1,) * len(reduced)).expand(shape)
-    return (*_pointwise_gradients(ctx, grad, input, target), None, None, None, None, None)
+    return (*_pointwise_gradients(ctx, grad, input, target), None)
 
 
 def _reduced_setup_context(ctx, inputs, output) -> None:
     # inputs: the Function's (_function), with the backward's history slot after output_mask.
-    (input, target, ctx.loss, ctx.param, ctx.reduction, ctx.output_mask, ctx.slot, ctx.expected_grad_output,
-     ctx.autocast) = inputs
+    input, target, (ctx.loss, ctx.param, ctx.reduction, ctx.output_mask, ctx.slot, ctx.expected_grad_output,
+                    ctx.autocast) = inputs
     # Nothing flows back into the fused gradients; don't build N-sized zeros for them.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target)
-    # Kept outside save_for_backward: backward corrects them in place and drops this
-    # reference, so autograd can hand the buffer to .grad without a copy. Detached:
-    # the outputs themselves point back at this node, and a graph dropped without
-    # backward would then never be freed.
-    ctx.fused_gradients = tuple(g.detach() for g in output[1:])
+    ctx.fused_gradients = _kept_gradients(ctx.output_mask, output)
+
+
+def _kept_gradients(output_mask: Sequence[bool], output: Sequence[Tensor]) -> tuple[Tensor, ...] | None:
+    """The gradients a forward wrote, for its backward to hand on; None where it wrote none.
+    Kept outside save_for_backward: backward corrects them in place and drops this
+    reference, so autograd can hand the buffer to .grad without a copy. Detached: the
+    outputs themselves point back at the node, and a graph dropped without backward would
+    then never be freed."""
+    if not any(output_mask):
+        return None
+    return tuple(g.detach() for g in output[1:])
 
 
 def _fused_gradients(ctx, needs: Sequence[bool]) -> tuple[Tensor, ...] | None:
@@ -670,7 +677,7 @@ def _fused_gradients(ctx, needs: Sequence[bool]) -> tuple[Tensor, ...] | None:
 
 def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad_target):
     if grad is None:
-        return (None,) * 9
+        return None, None, None
     input, target = ctx.saved_tensors
     needs = [bool(n) for n in ctx.needs_input_grad[:2]]
     if torch.is_grad_enabled():
@@ -689,14 +696,13 @@ def _reduced_backward(ctx, grad: Tensor | None, _unused_grad_input, _unused_grad
                 grad, input, target, ctx.loss, ctx.param, ctx.reduction, needs, ctx.slot, ctx.expected_grad_output,
                 ctx.autocast,
             )
-    return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            *(None,) * 7)
+    return _sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None, None
 
 
 def _weighted_setup_context(ctx, inputs, output) -> None:
     # inputs: the Function's (_function), with the backward's history slot after output_mask.
-    (input, target, weight, scale, divisor, host_scale, loss, param, output_mask, ctx.slot, ctx.expected_grad_output,
-     autocast, kept_dims, ctx.param_per_element) = inputs
+    (input, target, weight, scale, divisor, (host_scale, loss, param, output_mask, ctx.slot, ctx.expected_grad_output,
+                                             autocast, kept_dims, ctx.param_per_element)) = inputs
     ctx.arguments = (host_scale, loss, param, autocast)
     # With kept_dims, the weight's gradient output holds each row's loss sum instead (weight_kept_dims).
     row_sums = kept_dims >= 0 and output_mask[2]
@@ -707,7 +713,7 @@ def _weighted_setup_context(ctx, inputs, output) -> None:
         ctx.weight_rows = kept_dims if row_sums else weight_gradient_rows(weight, input, target)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, target, weight, scale, divisor, output[0] if ctx.needs_input_grad[4] else None)
-    ctx.fused_gradients = tuple(g.detach() for g in output[1:])  # as in _reduced_setup_context
+    ctx.fused_gradients = _kept_gradients(ctx.output_mask, output)
 
 
 def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
@@ -725,7 +731,7 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
         raise RuntimeError("fusedloss::weighted_loss has no gradient for a param per element; fusedloss's loss "
                            "functions compute it with torch operations")
     if grad is None:
-        return (None,) * 14
+        return (None,) * 6
     input, target, weight, scale, divisor, out = ctx.saved_tensors
     host_scale, loss, param, autocast = ctx.arguments
     needs = [bool(n) for n in ctx.needs_input_grad[:3]]
@@ -758,7 +764,7 @@ def _weighted_backward(ctx, grad: Tensor | None, *_unused_gradients):
     if ctx.needs_input_grad[4]:
         grad_divisor = -(grad.to(divisor.dtype) * out.to(divisor.dtype)) / divisor
     return (_sum_to(grad_input, input) if needs[0] else None, _sum_to(grad_target, target) if needs[1] else None,
-            grad_weight if needs[2] else None, None, grad_divisor, *(None,) * 9)
+            grad_weight if needs[2] else None, None, grad_divisor, None)
 
 
 def _weight_gradient_by_rows(grad: Tensor, input: Tensor, target: Tensor, weight: Tensor, scale: Tensor | None,
@@ -787,13 +793,14 @@ def _weight_gradient_by_rows(grad: Tensor, input: Tensor, target: Tensor, weight
 # torch.ops); fusedloss.routing applies it directly. Its forward takes ctx and calls
 # setup_context itself: a Function with a separate setup_context binds its arguments to
 # forward's signature on every call, which a small training step feels, and so does
-# torch.library.register_autograd's bookkeeping.
+# torch.library.register_autograd's bookkeeping. It takes the operator's tensors, then
+# its other arguments as one tuple (call_function), which setup_context unpacks.
 #
 # The reduced losses' backward notes grad_output in a history slot
-# (grad_output_prediction), which their forward operators do not take: their Function
-# takes it among the operator's arguments, after output_mask (where the backward
-# operators take it), and hands the operator the others. Called through the operator,
-# the backward notes nowhere (-1).
+# (grad_output_prediction), which their forward operators do not take: their Function's
+# tuple holds it after output_mask (where the backward operators take it), and the
+# Function hands the operator the others. Called through the operator, the backward
+# notes nowhere (-1).
 _DIFFERENTIABLE = {  # name: (setup_context, backward, whether the Function takes a history slot)
     "pointwise_loss": (_pointwise_setup_context, _pointwise_backward, False),
     "reduced_loss": (_reduced_setup_context, _reduced_backward, True),
@@ -811,27 +818,36 @@ def _function(name: str) -> type[torch.autograd.Function]:
     op = getattr(torch.ops.fusedloss, name).default
     setup_context, backward, takes_slot = _DIFFERENTIABLE[name]
     arguments = op._schema.arguments
-    # Where the Function's arguments hold the history slot (history_slot_at), or None.
-    at = [a.name for a in arguments].index("output_mask") + 1 if takes_slot else None
+    names = [a.name for a in arguments]
+    # The operator's tensor arguments come first. The Function takes them one by one and
+    # the others as one tuple: every argument of a Function costs host time in each
+    # backward, and a small step is bound by host time.
+    tensors = next(i for i, a in enumerate(arguments) if not a.type.isSubtypeOf(_OPTIONAL_TENSOR))
+    # Where the operator's arguments, and the Function's tuple, hold the history slot, or None.
+    at = names.index("output_mask") + 1 if takes_slot else None
+    slot_at = None if at is None else at - tensors
 
     if at is None:
         def forward(ctx, *args):
             with torch._C._AutoDispatchBelowAutograd():
-                output = op(*args)
+                output = op(*args[:-1], *args[-1])
             setup_context(ctx, args, output)
             return output
     else:
         def forward(ctx, *args):
+            rest = args[-1]
             with torch._C._AutoDispatchBelowAutograd():
-                output = op(*args[:at], *args[at + 1:])
+                output = op(*args[:-1], *rest[:slot_at], *rest[slot_at + 1:])
             setup_context(ctx, args, output)
             return output
 
     function = type(name, (torch.autograd.Function,), {
-        "__doc__": f"fusedloss::{name} with its autograd."
-                   + ("" if at is None else " Takes the backward's history slot after output_mask."),
+        "__doc__": f"fusedloss::{name} with its autograd. Takes the operator's {tensors} tensor arguments, then a "
+                   "tuple of the others" + ("" if at is None else ", with the backward's history slot after "
+                                            "output_mask") + " (call_function takes them all in a row).",
         "forward": staticmethod(forward),
         "backward": staticmethod(backward),
+        "tensor_arguments": tensors,
         "history_slot_at": at,
     })
 
@@ -844,7 +860,8 @@ def _function(name: str) -> type[torch.autograd.Function]:
             raise RuntimeError(f"fusedloss::{name} has no forward-mode AD rule; fusedloss's loss functions compute "
                                "dual tensors through torch.nn.functional")
         if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-            return function.apply(*args) if at is None else function.apply(*args[:at], -1, *args[at:])
+            return call_function(function, *args) if at is None else call_function(function, *args[:at], -1,
+                                                                                      *args[at:])
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
@@ -852,6 +869,14 @@ def _function(name: str) -> type[torch.autograd.Function]:
     return function
 
 
+def call_function(function: type[torch.autograd.Function], *args):
+    """A Function of _function's on the operator's arguments in a row (with the history slot
+    after output_mask where it takes one)."""
+    tensors = function.tensor_arguments
+    return function.apply(*args[:tensors], args[tensors:])
+
+
+_OPTIONAL_TENSOR = torch._C.OptionalType.ofTensor()
 PointwiseLoss = _function("pointwise_loss")
 ReducedLoss = _function("reduced_loss")
 WeightedLoss = _function("weighted_loss")

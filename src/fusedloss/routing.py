@@ -27,7 +27,7 @@ def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Ten
     losses, the operator's with their backward's history slot after output_mask, which
     the operator does not take."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
-        return function.apply(*args)
+        return ops.call_function(function, *args)
     at = function.history_slot_at
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args) if at is None else op(*args[:at], *args[at + 1:])

@@ -306,7 +306,7 @@ def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduc
     weight, scale = reductions.beside(weight, input), reductions.beside(scale, input)
     autocast = routing.under_autocast(input, target)
     if reduction == "none":
-        out = ops.PointwiseLoss.apply(input, target, loss, param, autocast)
+        out = ops.call_function(ops.PointwiseLoss, input, target, loss, param, autocast)
         return reductions.reduce(out, "none", weight, scale)
     if weight is not None:
         reductions.check_weight_broadcasts(weight, shape)
@@ -322,7 +322,7 @@ def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduc
     scale_needs_grad = isinstance(scale, Tensor) and scale.requires_grad and torch.is_grad_enabled()
     if isinstance(scale, (int, float)):
         host_scale *= scale
-    out = ops.WeightedLoss.apply(input, target, weight, None if scale_needs_grad or not isinstance(scale, Tensor)
-                                 else scale, divisor, host_scale, loss, param, [False, False, False], -1, 1.0,
-                                 autocast, -1, False)[0]
+    device_scale = None if scale_needs_grad or not isinstance(scale, Tensor) else scale
+    out = ops.call_function(ops.WeightedLoss, input, target, weight, device_scale, divisor, host_scale, loss, param,
+                            [False, False, False], -1, 1.0, autocast, -1, False)[0]
     return out * scale if scale_needs_grad else out
