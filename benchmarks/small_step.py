@@ -33,12 +33,13 @@ from fusedloss.bench.training import _step, wall_us
 
 # pseudo-Huber's c and the quantile of the steps that take one
 PARAMS = {"mse": 0.0, "l1": 0.0, "log_cosh": 0.0, "pseudo_huber": 0.5, "quantile": 0.9}
+_C, _Q = PARAMS["pseudo_huber"], PARAMS["quantile"]
 EAGER = {
     "mse": F.mse_loss,
     "l1": F.l1_loss,
     "log_cosh": lambda a, b: torch.log(torch.cosh(a - b)).mean(),
-    "pseudo_huber": lambda a, b: (2 * 0.5 * (torch.sqrt((a.float() - b.float()) ** 2 + 0.25) - 0.5)).mean(),
-    "quantile": lambda a, b: torch.max(-0.1 * (b - a), 0.9 * (b - a)).mean(),
+    "pseudo_huber": lambda a, b: (2 * _C * (torch.sqrt((a.float() - b.float()) ** 2 + _C**2) - _C)).mean(),
+    "quantile": lambda a, b: torch.max((_Q - 1) * (b - a), _Q * (b - a)).mean(),
 }
 
 
@@ -63,26 +64,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loss", choices=list(EAGER), default="mse")
     args = parser.parse_args()
-    SYSTEMS = systems(args.loss)
+    compared = systems(args.loss)
     args.out.mkdir(parents=True, exist_ok=True)
     build.load("plain")
     print(f"{args.loss}: {torch.cuda.get_device_name()}, torch {torch.__version__}, fusedloss {fusedloss.__version__}, "
           f"C++ autograd {'loaded' if build.cxx_autograd_loaded() else 'not built'}")
-    print(f"{'N':>10} {'dtype':9} " + " ".join(f"{name:>11}" for name in SYSTEMS) + "  fused/eager  python/eager")
+    print(f"{'N':>10} {'dtype':9} " + " ".join(f"{name:>11}" for name in compared) + "  fused/eager  python/eager")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for exponent in args.exponents:
             p = torch.randn(2**exponent, device="cuda", dtype=dtype, requires_grad=True)
             t = torch.randn(2**exponent, device="cuda", dtype=dtype)
-            steps = {name: _step(fn, p, t) for name, fn in SYSTEMS.items()}
+            steps = {name: _step(fn, p, t) for name, fn in compared.items()}
             runs = [wall_us(steps) for _ in range(args.repeats)]
-            us = {name: statistics.median(run[name] for run in runs) for name in SYSTEMS}
-            ratios = {name: statistics.median(run[name] / run["eager"] for run in runs) for name in SYSTEMS}
+            us = {name: statistics.median(run[name] for run in runs) for name in compared}
+            ratios = {name: statistics.median(run[name] / run["eager"] for run in runs) for name in compared}
             rows.append({"n": 2**exponent, "dtype": str(dtype).removeprefix("torch."),
                          **{f"{name}_us": round(value, 2) for name, value in us.items()},
                          "fused_over_eager": round(ratios["fused"], 4),
                          "python_over_eager": round(ratios["python"], 4)})
-            print(f"{2**exponent:>10} {rows[-1]['dtype']:9} " + " ".join(f"{us[name]:11.1f}" for name in SYSTEMS)
+            print(f"{2**exponent:>10} {rows[-1]['dtype']:9} " + " ".join(f"{us[name]:11.1f}" for name in compared)
                   + f"  {ratios['fused']:11.3f}  {ratios['python']:12.3f}", flush=True)
     name = "small_step.csv" if args.loss == "mse" else f"small_step_{args.loss}.csv"
     with open(args.out / name, "w", newline="") as handle:
