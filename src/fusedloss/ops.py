@@ -787,6 +787,10 @@ def _weight_gradient_by_rows(grad: Tensor, input: Tensor, target: Tensor, weight
     return _sum_to(per_row, weight)
 
 
+# the type of an operator's leading (optional) tensor arguments, which a Function takes one by one
+_OPTIONAL_TENSOR = torch._C.OptionalType.ofTensor()
+
+
 # The autograd of each differentiable operator, written once (setup_context and backward
 # above) as an autograd.Function that enters the operator below autograd. The operator's
 # own autograd kernel applies it, for whoever calls the operator (CPU, tracing,
@@ -876,7 +880,6 @@ def call_function(function: type[torch.autograd.Function], *args):
     return function.apply(*args[:tensors], args[tensors:])
 
 
-_OPTIONAL_TENSOR = torch._C.OptionalType.ofTensor()
 PointwiseLoss = _function("pointwise_loss")
 ReducedLoss = _function("reduced_loss")
 WeightedLoss = _function("weighted_loss")

@@ -180,13 +180,13 @@ def fused_loss(
     forward_writes = False
     if wants_gradients:
         numel = input.numel() if same_shape else ops.broadcast_numel(input, target)
+        if pytorch_serves_the_step(row, mode, input, target, numel):
+            # torch.nn.functional's own call, whose steps (the warning, the reduction's name)
+            # this function has taken
+            if not same_shape:
+                input, target = torch.broadcast_tensors(input, target)
+            return pytorch_loss(row, input, target, mode, param)
         forward_writes = mode != "none" and forward_writes_gradients(input, target, numel)
-    if wants_gradients and pytorch_serves_the_step(row, mode, input, target, numel):
-        # torch.nn.functional's own call, whose steps (the warning, the reduction's name)
-        # this function has taken
-        if not same_shape:
-            input, target = torch.broadcast_tensors(input, target)
-        return pytorch_loss(row, input, target, mode, param)
     autocast = under_autocast(input, target)
     if mode == "none":
         if wants_gradients and build.cxx_autograd_loaded():
