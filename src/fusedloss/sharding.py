@@ -193,16 +193,18 @@ class _LossOfShards(torch.autograd.Function):
     backward cut the graph, and a second derivative through them would be missing."""
 
     @staticmethod
-    def forward(ctx, input: DTensor, target: DTensor, local_loss: Callable[[Tensor, Tensor], Tensor],
-                again: Callable[[DTensor, DTensor], DTensor], placements: tuple, shape: torch.Size,
-                stride: tuple[int, ...]) -> DTensor:
+    def forward(ctx, input: DTensor, target: DTensor, arguments: tuple) -> DTensor:
+        # the rest in one tuple: each argument of a Function costs host time in every backward
+        local_loss, again, placements, shape, stride = arguments
         local_input = input._local_tensor.detach().requires_grad_(ctx.needs_input_grad[0])
         local_target = target._local_tensor.detach().requires_grad_(ctx.needs_input_grad[1])
         with torch.enable_grad():
             out = local_loss(local_input, local_target)
         # saved, not kept on ctx: autograd frees them after a backward that does not retain the graph
         ctx.save_for_backward(input, target, local_input, local_target, out)
-        ctx.again, ctx.placements = again, placements
+        ctx.again = again
+        # the gradient of a partial sum is replicated, as DTensor.from_local's backward has it
+        ctx.gradient_placements = tuple(Replicate() if p.is_partial() else p for p in placements)
         # built from its spec: DTensor.from_local would add an autograd node and its host time
         spec = _spec(input.device_mesh, placements, shape, stride, out.dtype)
         return DTensor(out.detach(), spec, requires_grad=False)
@@ -216,17 +218,48 @@ class _LossOfShards(torch.autograd.Function):
                 loss = ctx.again(input, target)
             grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target), wanted) if w], grad_output,
                                              create_graph=True))
-            return tuple(next(grads) if w else None for w in wanted) + (None,) * 5
-        # the gradient of a partial sum is replicated, as DTensor.from_local's backward has it
-        placements = tuple(Replicate() if p.is_partial() else p for p in ctx.placements)
+            return tuple(next(grads) if w else None for w in wanted) + (None,)
+        placements = ctx.gradient_placements
         if tuple(grad_output.placements) != placements:
             grad_output = grad_output.redistribute(input.device_mesh, placements)
+        local_grad = grad_output._local_tensor
+        # found again from the saved output, not kept on ctx: it holds the shards' graph
+        node = _one_node_over(out, (local_input, local_target))
+        if node is not None:  # that node's backward, called as the engine would call it
+            grads = node.apply(local_grad, *(None,) * (len(node._input_metadata) - 1))[:2]
+            return tuple(_gradient(_as_operand(g, local), operand) if w and g is not None else None
+                         for g, local, operand, w in zip(grads, (local_input, local_target), (input, target), wanted)
+                         ) + (None,)
         # the shards' graph is kept as long as this node's saved tensors: a retained graph's
         # second backward finds it
         grads = iter(torch.autograd.grad(out, [t for t, w in zip((local_input, local_target), wanted) if w],
-                                         grad_output._local_tensor, retain_graph=True))
+                                         local_grad, retain_graph=True))
         return tuple(_gradient(next(grads), operand) if w else None
-                     for operand, w in zip((input, target), wanted)) + (None,) * 5
+                     for operand, w in zip((input, target), wanted)) + (None,)
+
+
+def _one_node_over(out: Tensor, leaves: tuple[Tensor, Tensor]):
+    """The shards' graph where it is one autograd Function whose first two arguments are the
+    leaves themselves (the fused operators' Functions): backward then calls that node's own
+    backward, not a nested run of the autograd engine, which costs a small step more host
+    time than the rest of its backward. None for any other graph."""
+    node = out.grad_fn
+    if not isinstance(node, torch.autograd.function.BackwardCFunction) or out.output_nr != 0:
+        return None
+    edges = node.next_functions
+    if len(edges) < 2 or any(fn is not None for fn, _ in edges[2:]):
+        return None
+    for (fn, _), leaf in zip(edges, leaves):
+        if leaf.requires_grad != (fn is not None) or (fn is not None and getattr(fn, "variable", None) is not leaf):
+            return None
+    return node
+
+
+def _as_operand(grad: Tensor, operand: Tensor) -> Tensor:
+    """A gradient in its operand's shape and dtype, as the autograd engine hands it on."""
+    if grad.shape != operand.shape:
+        grad = grad.sum_to_size(operand.shape)
+    return grad if grad.dtype == operand.dtype else grad.to(operand.dtype)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -270,8 +303,8 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
     local_weight = None if weight is None else weight._local_tensor  # it takes no gradient
     again = functools.partial(sharded_loss, loss, param, reduction=reduction, weight=weight, scale=scale)
     if reduction == "none":
-        return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
-                                   again, tuple(placements), input.shape, _contiguous_strides(input.shape))
+        return _LossOfShards.apply(input, target, (lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
+                                   again, tuple(placements), input.shape, _contiguous_strides(input.shape)))
     # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
     if reduction == "mean":
@@ -286,8 +319,8 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
             total = DTensor.from_local(reductions.weight_sum(local_weight, dtype), mesh, parts, run_check=False,
                                        shape=torch.Size(()), stride=()).full_tensor()
             scale = factor / total
-    return _LossOfShards.apply(input, target, lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale),
-                               again, tuple(parts), torch.Size(()), ())
+    return _LossOfShards.apply(input, target, (lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale),
+                               again, tuple(parts), torch.Size(()), ()))
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
