@@ -35,7 +35,7 @@ def mean_factor(scale: float, count: int) -> float:
 
 def check_weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
     """Raises unless the weight broadcasts to the loss's shape without widening it."""
-    fits = weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
+    fits = weight.shape == shape or weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
     if not fits:
         raise ValueError(f"fusedloss: a weight of shape {tuple(weight.shape)} does not broadcast to the loss's "
                          f"shape {tuple(shape)}")
@@ -86,22 +86,25 @@ def reduce(per_element: Tensor, reduction: str, weight: Tensor | None, scale: fl
     out = per_element
     if weight is not None:
         check_weight_broadcasts(weight, shape)
-        if weight.is_floating_point():
+        if weight.is_floating_point() and weight.dtype != out.dtype:
             out = out.to(torch.promote_types(out.dtype, weight.dtype))
         out = out * weight
     if reduction != "none":
         dims = tuple(range(len(shape))) if dim is None else as_dims(dim, len(shape))
+        # over every dimension, torch's own full reduction: no view around it in a small step
+        kept = dim is not None
         if reduction == "mean" and (weight is None or mean_over_count):
-            out = out.mean(dims, keepdim=True)  # one rounding, as torch.mean's
+            out = out.mean(dims, keepdim=True) if kept else out.mean()  # one rounding, as torch.mean's
         else:
-            out = out.sum(dims, keepdim=True)
+            out = out.sum(dims, keepdim=True) if kept else out.sum()
             if reduction == "mean":
-                out = out / expanded_weight_sum(weight, shape, dims, out.dtype).to(out.dtype)
-        if dim is None or not keepdim:  # a reshape, which DTensor shards on every torch (squeeze.dims not)
+                divisor = expanded_weight_sum(weight, shape, dims, out.dtype).to(out.dtype)
+                out = out / (divisor if kept else divisor.reshape(()))
+        if kept and not keepdim:  # a reshape, which DTensor shards on every torch (squeeze.dims not)
             out = out.reshape([size for axis, size in enumerate(out.shape) if axis not in dims])
     if scale is None:
         return out
-    return out * (scale.to(out.dtype) if isinstance(scale, Tensor) else scale)
+    return out * (scale.to(out.dtype) if isinstance(scale, Tensor) and scale.dtype != out.dtype else scale)
 
 
 def beside(operand: object, loss: Tensor) -> object:
