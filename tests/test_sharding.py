@@ -226,6 +226,42 @@ def _other_losses_worker(rank, device, init_file, results_dir):
                 failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
 
 
+def _unfused_worker(rank, device, init_file, results_dir):
+    """Where the kernels do not apply (on the CPU without fusedloss's operators, under
+    torch.compile, a torch.func transform, an unsupported dtype), a DTensor goes to torch
+    operations: against full tensors, unevenly sharded, every loss and reduction, with and
+    without a weight and a scale. DTensor's own rules for PyTorch's loss operators average
+    the ranks' means, which over uneven shards is not the mean: this fails if the route
+    hands them a mean."""
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from conftest import LOSSES, PARAMS
+        from fusedloss import routing
+
+        routing.kernels_apply = lambda input, target: False
+        x, y, w = torch.randn(7, 5, 3) * 2, torch.randn(7, 5, 3) * 2, torch.rand(7, 5, 3) + 0.25
+        for (name, (fn, _, keyword)), reduction, extra in itertools.product(
+                LOSSES.items(), ["none", "mean", "sum"], [{}, {"weight": "sharded"}, {"scale": 0.5}]):
+            try:
+                kwargs = dict(reduction=reduction, **({keyword: PARAMS[name]} if keyword else {}))
+                kwargs.update({k: v for k, v in extra.items() if k == "scale"})
+                full_x = x.clone().requires_grad_()
+                dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+                dy = distribute_tensor(y, mesh, [Shard(0)])
+                weighted = "weight" in extra
+                out = fn(dx, dy, weight=distribute_tensor(w, mesh, [Shard(0)]) if weighted else None, **kwargs)
+                expected = fn(full_x, y, weight=w if weighted else None, **kwargs)
+                torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
+                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), device="cpu")
+                g = g.to(expected.device)
+                got, = torch.autograd.grad((out.full_tensor() * g).sum(), dx)
+                want, = torch.autograd.grad((expected * g).sum(), full_x)
+                torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} {extra}: {type(error).__name__}: {str(error)[:400]}")
+
+
 def _cache_worker(rank, device, init_file, results_dir):
     """Calls alike in their DTensor operands and unlike in the rest (which gradients are
     asked for, which optional operands are given, the loss): each gets its own placements
@@ -382,6 +418,12 @@ def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path,
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_losses_beside_the_table_take_dtensors(tmp_path, device):
     _spawn_two_ranks(_other_losses_worker, device, tmp_path)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mean_over_uneven_shards_is_the_mean_where_torch_operations_compute_it(tmp_path, device):
+    _spawn_two_ranks(_unfused_worker, device, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")

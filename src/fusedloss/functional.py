@@ -361,8 +361,17 @@ def _sharded(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tens
     weight, scale = reductions.beside(weight, input), reductions.beside(scale, input)
     if weight is not None or scale is not None:
         return weighted.weighted_loss(kernel_loss, param, input, target, None, None, reduction, weight, scale,
-                                      lambda i, t, r: _unfused(row, i, t, None, None, r, param),
+                                      lambda i, t, r: _dtensor_unfused(row, i, t, r, param),
                                       weighted.TORCH_WEIGHTED.get(name), fusable=False)
+    return _dtensor_unfused(row, input, target, reduction, param)
+
+
+def _dtensor_unfused(row: Loss, input: Tensor, target: Tensor, reduction: str, param: object) -> Tensor:
+    """torch.nn.functional's loss of DTensor operands, a mean taken of the loss per element:
+    DTensor's rules for PyTorch's loss operators average the ranks' own means, which over
+    uneven shards is not the mean (DTensor's mean of a tensor is)."""
+    if reduction == "mean":
+        return _unfused(row, input, target, None, None, "none", param).mean()
     return _unfused(row, input, target, None, None, reduction, param)
 
 
