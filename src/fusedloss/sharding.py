@@ -161,7 +161,7 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
     """DTensor operands on one mesh, sharded or replicated, whose local shards the fused
     kernels take; a weight and a scale that are DTensors on that mesh, plain tensors
     (taken as replicated) or absent. Anything else goes to torch.nn.functional, which
-    DTensor shards itself."""
+    DTensor shards itself (a mean taken of the loss per element: functional._dtensor_unfused)."""
     if not (isinstance(input, DTensor) and isinstance(target, DTensor) and input.device_mesh == target.device_mesh):
         return False
     if any(not isinstance(p, (Shard, Replicate)) for t in (input, target) for p in t.placements):
