@@ -241,15 +241,13 @@ def _unfused_worker(rank, device, init_file, results_dir):
 
         routing.kernels_apply = lambda input, target: False
         x, y, w = torch.randn(7, 5, 3) * 2, torch.randn(7, 5, 3) * 2, torch.rand(7, 5, 3) + 0.25
-        for (name, (fn, _, keyword)), reduction, extra in itertools.product(
-                LOSSES.items(), ["none", "mean", "sum"], [{}, {"weight": "sharded"}, {"scale": 0.5}]):
+        for (name, (fn, _, keyword)), reduction, (weighted, scale) in itertools.product(
+                LOSSES.items(), ["none", "mean", "sum"], [(False, None), (True, None), (False, 0.5)]):
             try:
-                kwargs = dict(reduction=reduction, **({keyword: PARAMS[name]} if keyword else {}))
-                kwargs.update({k: v for k, v in extra.items() if k == "scale"})
+                kwargs = dict(reduction=reduction, scale=scale, **({keyword: PARAMS[name]} if keyword else {}))
                 full_x = x.clone().requires_grad_()
                 dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
                 dy = distribute_tensor(y, mesh, [Shard(0)])
-                weighted = "weight" in extra
                 out = fn(dx, dy, weight=distribute_tensor(w, mesh, [Shard(0)]) if weighted else None, **kwargs)
                 expected = fn(full_x, y, weight=w if weighted else None, **kwargs)
                 torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6)
@@ -259,7 +257,8 @@ def _unfused_worker(rank, device, init_file, results_dir):
                 want, = torch.autograd.grad((expected * g).sum(), full_x)
                 torch.testing.assert_close(got.full_tensor(), want, rtol=2e-5, atol=2e-6)
             except Exception as error:  # each failure is a result; the ranks keep in step
-                failures.append(f"{name} {reduction} {extra}: {type(error).__name__}: {str(error)[:400]}")
+                failures.append(f"{name} {reduction} weighted={weighted} scale={scale}: {type(error).__name__}: "
+                                f"{str(error)[:400]}")
 
 
 def _cache_worker(rank, device, init_file, results_dir):

@@ -35,7 +35,8 @@ def mean_factor(scale: float, count: int) -> float:
 
 def check_weight_broadcasts(weight: Tensor, shape: torch.Size) -> None:
     """Raises unless the weight broadcasts to the loss's shape without widening it."""
-    fits = weight.shape == shape or weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape)))
+    fits = weight.shape == shape or (
+        weight.dim() <= len(shape) and all(w in (1, s) for w, s in zip(reversed(weight.shape), reversed(shape))))
     if not fits:
         raise ValueError(f"fusedloss: a weight of shape {tuple(weight.shape)} does not broadcast to the loss's "
                          f"shape {tuple(shape)}")
