@@ -201,6 +201,9 @@ def process_group(rank: int, world: int, init_file: str, device: str = "cpu"):
 
     if device == "cuda":
         torch.cuda.set_device(rank)
+    # as fused_steps in the main process: every step through fusedloss's kernels, unless a
+    # worker takes the rule back (PYTORCH_SERVES_THE_STEP)
+    routing.pytorch_serves_the_step = lambda *args: False
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:

@@ -42,7 +42,7 @@ from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import build, formulas, ops, reductions, routing
-from .losses import LOSSES
+from .losses import LOSSES, Loss
 
 _OPS = torch.ops.fusedloss
 
@@ -175,6 +175,21 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
     # tensors as they lie: to_local would add an autograd node to each step, for a check
     return routing.kernels_apply(input._local_tensor, target._local_tensor) and (
         reduction == "none" or build.use_kernels("weighted"))
+
+
+def dtensor_serves_the_step(row: Loss, input: DTensor, target: DTensor, reduction: str) -> bool:
+    """Whether DTensor's own operator serves a call that ``on_local_shards`` would take: a
+    step whose shards' one-GPU step is PyTorch's own (``routing.pytorch_serves_the_step``,
+    bound by host time) of a loss PyTorch computes with a kernel of its own, for 'none' or a
+    sum. DTensor runs that operator on the shards with less host time than the local route's
+    autograd Function around the same operator. Not a mean: DTensor's rules average the
+    ranks' means, whose value is wrong over uneven shards and whose gradient, over even ones,
+    comes back times the number of shards."""
+    if reduction == "mean" or not row.pytorch_kernels or input.shape != target.shape or (
+            input.placements != target.placements):
+        return False
+    local_input, local_target = input._local_tensor, target._local_tensor
+    return routing.pytorch_serves_the_step(row, reduction, local_input, local_target, local_input.numel())
 
 
 @functools.lru_cache(maxsize=256)
