@@ -178,13 +178,13 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
 
 
 def dtensor_serves_the_step(row: Loss, input: DTensor, target: DTensor, reduction: str) -> bool:
-    """Whether DTensor's own operator serves a call that ``on_local_shards`` would take: a
-    step whose shards' one-GPU step is PyTorch's own (``routing.pytorch_serves_the_step``,
-    bound by host time) of a loss PyTorch computes with a kernel of its own, for 'none' or a
-    sum. DTensor runs that operator on the shards with less host time than the local route's
-    autograd Function around the same operator. Not a mean: DTensor's rules average the
-    ranks' means, whose value is wrong over uneven shards and whose gradient, over even ones,
-    comes back times the number of shards."""
+    """Whether DTensor's own operator serves a call that ``on_local_shards`` would take: 'none'
+    or a sum of a loss PyTorch computes with a kernel of its own, where the shards' one-GPU
+    step would be PyTorch's own (``routing.pytorch_serves_the_step``). The shards run the
+    same operator either way, and DTensor's dispatch costs less host time than the local
+    route's autograd Function around it. Not a mean: DTensor's rules average the ranks'
+    means, whose value is wrong over uneven shards and whose gradient, over even ones, comes
+    back times the number of shards."""
     if reduction == "mean" or not row.pytorch_kernels or input.shape != target.shape or (
             input.placements != target.placements):
         return False
