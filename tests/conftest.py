@@ -92,7 +92,6 @@ def cpu_through_operators(set_attribute=setattr) -> None:
     from fusedloss import build
 
     set_attribute(build, "load", lambda *families: {})
-    set_attribute(routing, "pytorch_serves_the_step", lambda *args: False)  # as fused_steps, for spawned ranks
     set_attribute(
         routing,
         "kernels_apply",
