@@ -6,8 +6,11 @@ Device time of ``p.grad = None; loss.backward()`` with CUDA events behind a queu
 sleep (host time out), and wall time per step of steps back to back (host time in), the
 medians of `--reps`. The loss is left a Partial DTensor, as DTensor leaves its own, so
 neither step has a collective. Beside them, the line fusedloss replaces: DTensor's own
-``F.mse_loss`` on the same operands. Then the host syncs of one step of each, as
-PyTorch's sync debug mode finds them. Run one process per GPU:
+``F.mse_loss`` on the same operands, whose gradient DTensor's rule for the mean gives times
+the number of ranks, and the exact line on DTensor operations, the sum over the element
+count. Each step's gradient is checked against the full tensor's (on each rank, the
+single-GPU gradient of its shard over the number of ranks). Then the host syncs of one
+step of each, as PyTorch's sync debug mode finds them. Run one process per GPU:
 
     torchrun --nproc-per-node 2 benchmarks/sharded_step.py
 """
@@ -106,11 +109,24 @@ def main() -> None:
         p.grad = None
         F.mse_loss(p, t).backward()
 
+    def dtensor_exact() -> None:
+        p.grad = None
+        (F.mse_loss(p, t, reduction="sum") / p.numel()).backward()
+
     def single() -> None:
         local_p.grad = None
         fusedloss.mse_loss(local_p, local_t).backward()
 
-    steps = (("sharded", sharded), ("single", single), ("F on DTensor", dtensor_own))
+    steps = (("sharded", sharded), ("single", single), ("F on DTensor", dtensor_own),
+             ("DTensor sum / count", dtensor_exact))
+    single()
+    expected_grad = local_p.grad.float() / world
+    gradient_error = {}
+    for name, step in steps:
+        if name != "single":
+            step()
+            gradient_error[name] = ((p.grad.to_local().float() - expected_grad).abs().max()
+                                    / expected_grad.abs().max()).item()
     device, wall = {}, {}
     for turn in range(2):  # they take turns, so drift weighs on each
         for name, step in steps[:: 1 if turn == 0 else -1]:
@@ -124,7 +140,10 @@ def main() -> None:
               f"{local_p.numel()} bf16 elements per rank")
         for label, ms in (("device time", device_ms), ("wall time, host included", wall_ms)):
             print(f"{label}: sharded step {ms['sharded']:.3f} ms, single-GPU step {ms['single']:.3f} ms, "
-                  f"ratio {ms['sharded'] / ms['single']:.3f}; DTensor's F.mse_loss step {ms['F on DTensor']:.3f} ms")
+                  f"ratio {ms['sharded'] / ms['single']:.3f}; DTensor's F.mse_loss step {ms['F on DTensor']:.3f} ms, "
+                  f"DTensor's sum / count step {ms['DTensor sum / count']:.3f} ms")
+        print("gradient, largest error relative to the full tensor's largest: "
+              + ", ".join(f"{name} {error:.1e}" for name, error in gradient_error.items()))
         print("host syncs in one step: " + ", ".join(f"{name} {len(stacks)}" for name, stacks in syncs.items()))
         for name, stacks in syncs.items():
             for stack in stacks:

@@ -468,6 +468,98 @@ def test_dtensors_own_operator_serves_small_steps_where_it_is_exact(tmp_path, de
     _spawn_two_ranks(_served_worker, device, tmp_path)
 
 
+def _autocast_worker(rank, device, init_file, results_dir):
+    """Under autocast, 16-bit DTensor operands against the same call on full tensors: every
+    loss and reduction, plain, weighted and scaled, unevenly sharded; the loss in autocast's
+    dtype (float32: these losses are on its float32 list) and each gradient in its operand's."""
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from conftest import LOSSES, PARAMS, loss_kwargs
+        from fusedloss import routing
+
+        if device == "cpu":  # the route CPU tensors take (the operators' CPU kernels know CUDA's autocast only)
+            routing.kernels_apply = lambda input, target: False
+        x, y, w = torch.randn(7, 5, 3) * 2, torch.randn(7, 5, 3) * 2, torch.rand(7, 5, 3) + 0.25
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+        for name, reduction, (weighted, scale) in itertools.product(
+                LOSSES, ["none", "mean", "sum"], [(False, None), (True, None), (False, 0.5)]):
+            try:
+                function, kwargs = LOSSES[name][0], loss_kwargs(name, PARAMS[name])
+                kwargs.update(reduction=reduction, scale=scale)
+                full_x = x.clone().requires_grad_()
+                dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+                dy = distribute_tensor(y, mesh, [Shard(0)])
+                dw = distribute_tensor(w, mesh, [Shard(0)]) if weighted else None
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    out = function(dx, dy, weight=dw, **kwargs)
+                    expected = function(full_x, y, weight=w if weighted else None, **kwargs)
+                assert out.dtype == expected.dtype == torch.float32, (out.dtype, expected.dtype)
+                torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-6, msg="value")
+                g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), device="cpu")
+                got, = torch.autograd.grad((out.full_tensor() * g.to(expected.device)).sum(), dx)
+                want, = torch.autograd.grad((expected * g.to(expected.device)).sum(), full_x)
+                assert got.dtype == want.dtype == torch.bfloat16, (got.dtype, want.dtype)
+                torch.testing.assert_close(got.full_tensor(), want, msg="gradient")
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} weighted={weighted} scale={scale}: {type(error).__name__}: "
+                                f"{str(error)[:400]}")
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_losses_under_autocast_match_full_tensors(tmp_path, device):
+    _spawn_two_ranks(_autocast_worker, device, tmp_path)
+
+
+def _cuda_graph_worker(rank, device, init_file, results_dir):
+    """A sharded step captured in a CUDA graph, then replayed on new operands: its loss and
+    gradient against eager full tensors, for every loss, a mean and a sum, unevenly sharded."""
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from conftest import LOSSES, PARAMS, loss_kwargs
+
+        for name, reduction in itertools.product(LOSSES, ["mean", "sum"]):
+            try:
+                function, kwargs = LOSSES[name][0], loss_kwargs(name, PARAMS[name])
+                x, y = torch.randn(7, 5, 3) * 2, torch.randn(7, 5, 3) * 2
+                dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+                dy = distribute_tensor(y, mesh, [Shard(0)])
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graphs asks
+                    for _ in range(3):
+                        dx.grad = None
+                        function(dx, dy, reduction=reduction, **kwargs).backward()
+                torch.cuda.current_stream().wait_stream(side)
+                dx.grad = None
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = function(dx, dy, reduction=reduction, **kwargs)
+                    out.backward()
+                for _ in range(2):
+                    x, y = torch.randn(7, 5, 3) * 2, torch.randn(7, 5, 3) * 2
+                    with torch.no_grad():
+                        dx.to_local().copy_(distribute_tensor(x, mesh, [Shard(0)]).to_local())
+                        dy.to_local().copy_(distribute_tensor(y, mesh, [Shard(0)]).to_local())
+                    graph.replay()
+                    full_x = x.clone().requires_grad_()
+                    expected = function(full_x, y, reduction=reduction, **kwargs)
+                    expected.backward()
+                    torch.testing.assert_close(out.full_tensor(), expected.detach(), rtol=2e-5, atol=2e-6,
+                                               msg="value")
+                    torch.testing.assert_close(dx.grad.full_tensor(), full_x.grad, rtol=2e-5, atol=2e-6,
+                                               msg="gradient")
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction}: {type(error).__name__}: {str(error)[:400]}")
+
+
+@pytest.mark.skipif(not dist.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_sharded_step_captured_in_a_cuda_graph_replays_as_eager(tmp_path):
+    _spawn_two_ranks(_cuda_graph_worker, "cuda", tmp_path)
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 @pytest.mark.parametrize("device", DEVICES)
 def test_sharded_losses_match_full_tensors(tmp_path, device):
