@@ -427,7 +427,8 @@ def test_a_mean_over_uneven_shards_is_the_mean_where_torch_operations_compute_it
 
 def _served_worker(rank, device, init_file, results_dir):
     """DTensor's own operator serves the small steps of the losses PyTorch computes with a
-    kernel of its own where its result is exact ('none' and sums, even or uneven shards);
+    kernel of its own where its result is exact ('none' and sums, even or uneven shards),
+    without loading the weighted kernels;
     means (whose gradient DTensor's rules give times the number of shards), L1 (whose rule
     gathers the operands) and fusedloss's own losses take the local shards' route. Values
     and gradients against full tensors."""
@@ -435,17 +436,19 @@ def _served_worker(rank, device, init_file, results_dir):
         from torch.distributed.tensor import Shard, distribute_tensor
 
         from conftest import LOSSES, PARAMS, PYTORCH_SERVES_THE_STEP, loss_kwargs
-        from fusedloss import routing, sharding
+        from fusedloss import build, routing, sharding
         routing.pytorch_serves_the_step = PYTORCH_SERVES_THE_STEP
-        taken = []
-        on_local_shards = sharding.on_local_shards
+        taken, families = [], []
+        on_local_shards, use_kernels = sharding.on_local_shards, build.use_kernels
         sharding.on_local_shards = lambda *args: taken.append(1) or on_local_shards(*args)
+        build.use_kernels = lambda *args: families.extend(args) or use_kernels(*args)
         cases = [(8, "mse", "sum", False), (7, "huber", "sum", False), (7, "smooth_l1", "none", False),
                  (8, "mse", "mean", True), (7, "smooth_l1", "mean", True), (8, "l1", "sum", True),
                  (8, "log_cosh", "sum", True)]
         for rows, name, reduction, local_route in cases:
             try:
                 taken.clear()
+                families.clear()
                 x, y, g = (torch.randn(rows, 5, dtype=torch.float64) * 2 for _ in range(3))
                 dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
                 dy, dg = (distribute_tensor(t, mesh, [Shard(0)]) for t in (y, g))
@@ -456,6 +459,8 @@ def _served_worker(rank, device, init_file, results_dir):
                 expected = function(fx, y, reduction=reduction, **kwargs)
                 ((expected * g).sum() if reduction == "none" else expected * 0.37).backward()
                 assert bool(taken) == local_route, f"the local shards' route taken: {bool(taken)}"
+                # DTensor's own operator needs no kernels of fusedloss's (a source build compiles none)
+                assert local_route or "weighted" not in families, families
                 torch.testing.assert_close(out.full_tensor(), expected.detach(), msg="value")
                 torch.testing.assert_close(dx.grad.full_tensor(), fx.grad, msg="gradient")
             except Exception as error:  # each failure is a result; the ranks keep in step

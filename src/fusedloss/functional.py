@@ -352,9 +352,10 @@ def _sharded(row: Loss, name: str, kernel_loss: str, input: Tensor, target: Tens
 
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
+    # before sharding.applies, which loads the weighted kernels a sharded sum would run on
+    if weight is None and scale is None and sharding.dtensor_serves_the_step(row, input, target, reduction):
+        return _unfused(row, input, target, None, None, reduction, param)
     if sharding.applies(input, target, weight, scale, reduction):
-        if weight is None and scale is None and sharding.dtensor_serves_the_step(row, input, target, reduction):
-            return _unfused(row, input, target, None, None, reduction, param)
         out = sharding.on_local_shards(kernel_loss, param, input, target, weight, scale, reduction,
                                        lambda i, t, r, w, s: _loss(name, i, t, None, None, r, param, w, s))
         if out is not None:

@@ -177,15 +177,17 @@ def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float |
         reduction == "none" or build.use_kernels("weighted"))
 
 
-def dtensor_serves_the_step(row: Loss, input: DTensor, target: DTensor, reduction: str) -> bool:
-    """Whether DTensor's own operator serves a call that ``on_local_shards`` would take: 'none'
-    or a sum of a loss PyTorch computes with a kernel of its own, where the shards' one-GPU
-    step would be PyTorch's own (``routing.pytorch_serves_the_step``). The shards run the
-    same operator either way, and DTensor's dispatch costs less host time than the local
-    route's autograd Function around it. Not a mean: DTensor's rules average the ranks'
-    means, whose value is wrong over uneven shards and whose gradient, over even ones, comes
-    back times the number of shards."""
-    if reduction == "mean" or not row.pytorch_kernels or input.shape != target.shape or (
+def dtensor_serves_the_step(row: Loss, input: Tensor, target: Tensor, reduction: str) -> bool:
+    """Whether DTensor's own operator serves an unweighted call of two DTensors: 'none' or a
+    sum of a loss PyTorch computes with a kernel of its own, placed alike, where the shards'
+    one-GPU step would be PyTorch's own (``routing.pytorch_serves_the_step``). The shards run
+    the same operator either way, and DTensor's dispatch costs less host time than the local
+    route's autograd Function around it; where ``applies`` refuses the operands, such a call
+    goes to DTensor's operator too. Not a mean: DTensor's rules average the ranks' means,
+    whose value is wrong over uneven shards and whose gradient, over even ones, comes back
+    times the number of shards."""
+    if reduction == "mean" or not row.pytorch_kernels or not (
+            isinstance(input, DTensor) and isinstance(target, DTensor)) or input.shape != target.shape or (
             input.placements != target.placements):
         return False
     local_input, local_target = input._local_tensor, target._local_tensor
