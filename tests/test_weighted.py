@@ -1292,8 +1292,8 @@ def test_cuda_weight_read_in_place_has_the_expanded_weights_bits(cuda, name, lay
 @requires_cuda
 def test_cuda_weight_read_in_place_past_32_bit_indices(cuda):
     """Past 2^32 elements the kernels index the weight in 64 bits (ElementWeight::index_32bit):
-    a weight whose only run is shorter than a chunk, so that every chunk locates each of its
-    weights, gives the bits of the same weight expanded, the sum and the input's gradient."""
+    a weight whose only run is shorter than a chunk, so that every chunk walks across runs,
+    gives the bits of the same weight expanded, the sum and the input's gradient."""
     if torch.cuda.get_device_properties(cuda).total_memory < 80 * 2**30:
         pytest.skip("needs a GPU of 80 GiB")
     rows = (1 << 31) + 13
@@ -1304,7 +1304,6 @@ def test_cuda_weight_read_in_place_past_32_bit_indices(cuda):
     for w in (weight, weight.expand(rows, 2).contiguous()):
         out = weighted_loss("mse", x, y, "sum", weight=w)
         results.append((out, *torch.autograd.grad(out, x)))
-        del w, out
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
 
