@@ -450,8 +450,8 @@ def test_families_that_need_compiling_compile_side_by_side(tmp_path, monkeypatch
                         lambda command, **kwargs: children.append(_FakeChild(events, command, **kwargs))
                         or children[-1])
 
-    def build_or_load(family, archs, force=False, why=""):
-        events.append(("built", family.name, force))
+    def build_or_load(family, archs, force=False, why="", beside=()):
+        events.append(("built", family.name, force, tuple(beside)))
         return tmp_path / f"{family.name}.so"
 
     monkeypatch.setattr(build, "_build_or_load", build_or_load)
@@ -459,12 +459,15 @@ def test_families_that_need_compiling_compile_side_by_side(tmp_path, monkeypatch
     assert libraries == {"plain": tmp_path / "plain.so", "weighted": tmp_path / "weighted.so"}
     # the weighted family compiles in a child while this process compiles the plain one; the child's
     # result is loaded after it ends, without compiling again
-    assert events == [("spawned", "weighted"), ("built", "plain", force), ("waited", "weighted"),
-                      ("built", "weighted", False), ("waited", "weighted")]
+    # the weighted family compiles in a child while this process compiles the plain one; the child's
+    # result is loaded after it ends, without compiling again; each build's estimate counts the other
+    assert events == [("spawned", "weighted"), ("built", "plain", force, ("weighted",)), ("waited", "weighted"),
+                      ("built", "weighted", False, ()), ("waited", "weighted")]
     (child,) = children
     assert child.command[1:] == ["-m", "fusedloss", "build", "--family", "weighted", "--arch", "8.0;9.0+PTX"] + (
         ["--force"] if force else [])
     assert child.command[0] == sys.executable and str(SRC) in child.kwargs["env"]["PYTHONPATH"].split(os.pathsep)
+    assert child.kwargs["env"][build._BESIDE_ENV] == "plain"
 
 
 def test_a_cached_family_starts_no_child_and_a_failed_build_stops_the_children(tmp_path, monkeypatch):
@@ -496,7 +499,29 @@ def test_on_few_cores_the_families_compile_one_after_the_other(tmp_path, monkeyp
     monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
     monkeypatch.setattr(build.subprocess, "Popen", lambda *args, **kwargs: pytest.fail("a child was started"))
     built = []
-    monkeypatch.setattr(build, "_build_or_load",
-                        lambda family, archs, force=False, why="": built.append((family.name, force)) or tmp_path)
+    monkeypatch.setattr(build, "_build_or_load", lambda family, archs, force=False, why="", beside=():
+                        built.append((family.name, force, tuple(beside))) or tmp_path)
     build.build("9.0", force=True, cxx_autograd=False)
-    assert built == [("plain", True), ("weighted", True)]
+    assert built == [("plain", True, ()), ("weighted", True, ())]
+
+
+def test_a_build_estimate_counts_the_builds_that_share_the_cores(monkeypatch):
+    """The "about N s" line: a family's own work over the cores (with ninja's tail), never
+    less than its slowest object, and longer by the work of the builds beside it, each up to
+    this one's own; per architecture."""
+    monkeypatch.setattr(build, "_cores", lambda: 16)
+    total, slowest = build._CORE_SECONDS["plain"]
+    alone = build._expected_seconds(["9.0"], "plain")
+    assert alone == round(max(slowest, total / 16 + build._TAIL_SHARE * slowest))
+    beside_weighted = build._expected_seconds(["9.0"], "plain", ["weighted"])
+    assert beside_weighted == round(2 * total / 16 + build._TAIL_SHARE * slowest)  # weighted's work is larger
+    assert (build._expected_seconds(["9.0"], "plain", [build._CXX_AUTOGRAD])
+            == round(max(slowest, (total + build._CXX_AUTOGRAD_SECONDS) / 16 + build._TAIL_SHARE * slowest)))
+    assert build._expected_seconds(["8.0", "9.0"], "plain") == round(2 * max(slowest, total / 16
+                                                                            + build._TAIL_SHARE * slowest))
+    monkeypatch.setattr(build, "_cores", lambda: 2)
+    assert build._expected_seconds(["9.0"], "weighted") > 2 * build._expected_seconds(["9.0"], "plain")
+    # the C++ autograd's one job shares the cores with every ninja job beside it
+    monkeypatch.setattr(build, "_cores", lambda: 16)
+    assert build._expected_cxx_autograd_seconds(0) == build._CXX_AUTOGRAD_SECONDS
+    assert build._expected_cxx_autograd_seconds(2) == round(build._CXX_AUTOGRAD_SECONDS * 37 / 16)

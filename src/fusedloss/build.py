@@ -373,16 +373,33 @@ def _first_error_lines(message: str, count: int = 3) -> str:
     return "\n  ".join(errors[:count] or message.strip().splitlines()[-count:])
 
 
-# About how many seconds of one core a family's objects take per architecture, and the
-# slowest of them (an H100 host's cores, torch 2.11).
-_CORE_SECONDS = {"plain": (210, 12), "weighted": (335, 25)}
+# What each build's objects take, measured on a 16-core GPU host (nvcc 13.0, one
+# architecture): the seconds of one core that all of them take, and the slowest one's.
+_CORE_SECONDS = {"plain": (260, 16), "weighted": (525, 39)}
+# The C++ autograd: one host compile, of one core.
+_CXX_AUTOGRAD = "C++ autograd"
+_CXX_AUTOGRAD_SECONDS = 10
+# ninja's last objects start late: a build outlasts its work spread over the cores by
+# about a fifth of its slowest object.
+_TAIL_SHARE = 0.2
 
 
-def _expected_seconds(archs: Sequence[str], family: str) -> int:
-    """About how long a family's build takes here: its objects compile in parallel, so the
-    slowest one bounds it on many cores, the total work on few."""
-    total, slowest = _CORE_SECONDS[family]
-    return round(len(archs) * max(slowest, total / _cores()))
+def _expected_seconds(archs: Sequence[str], family: str, beside: Sequence[str] = ()) -> int:
+    """About how long a family's build takes here while the builds `beside` (other
+    families, the C++ autograd) compile too. ninja builds run as many jobs each, so they
+    share the cores evenly: this one ends once its own work and as much of each other's
+    is done, or, on many cores, when its slowest object does."""
+    total, slowest = (len(archs) * seconds for seconds in _CORE_SECONDS[family])
+    shared = total + sum(_CXX_AUTOGRAD_SECONDS if other == _CXX_AUTOGRAD
+                         else min(total, len(archs) * _CORE_SECONDS[other][0]) for other in beside)
+    return round(max(slowest, shared / _cores() + _TAIL_SHARE * slowest))
+
+
+def _expected_cxx_autograd_seconds(builds_beside: int) -> int:
+    """About how long the C++ autograd's one compile takes beside `builds_beside` ninja
+    builds, whose jobs (two more than the cores, each) share the cores with it."""
+    jobs = 1 + builds_beside * (_cores() + 2)
+    return round(_CXX_AUTOGRAD_SECONDS * max(1.0, jobs / _cores()))
 
 
 def _cores() -> int:
@@ -425,7 +442,8 @@ def _compile(name: str, directory: Path, toolkit: Toolkit, archs: Sequence[str],
         )
 
 
-def _build_or_load(family: Family, archs: Sequence[str], force: bool = False, why: str = "") -> Path:
+def _build_or_load(family: Family, archs: Sequence[str], force: bool = False, why: str = "",
+                   beside: Sequence[str] = ()) -> Path:
     name = build_name(archs, family.name)
     directory = build_root() / name
     library = directory / f"{name}.so"
@@ -452,7 +470,7 @@ def _build_or_load(family: Family, archs: Sequence[str], force: bool = False, wh
             targets = ", ".join("sm_" + a.removesuffix("+PTX").replace(".", "") + (" + PTX" if a.endswith("+PTX")
                                                                                   else "") for a in archs)
             _say(f"{why + ': ' if why else ''}compiling the {family.name} CUDA kernels for {targets} with "
-                 f"{toolkit.nvcc}, once for this torch; about {_expected_seconds(archs, family.name)} s here; "
+                 f"{toolkit.nvcc}, once for this torch; about {_expected_seconds(archs, family.name, beside)} s here; "
                  f"cached in {directory}")
             start = time.perf_counter()
             _compile(name, directory, toolkit, archs, family)
@@ -574,16 +592,24 @@ def _families(names: Sequence[str]) -> list[Family]:
 
 
 SIDE_BY_SIDE_FROM_CORES = 8
+# The builds that compile beside a child's (_compiling_beside), by name, comma-separated.
+_BESIDE_ENV = "FUSEDLOSS_COMPILING_BESIDE"
+
+
+def _built(archs: Sequence[str], family: Family) -> bool:
+    return (build_root() / build_name(archs, family.name) / "build-complete").exists()
 
 
 @contextmanager
-def _compiling_beside(families: Sequence[Family], archs: Sequence[str],
-                      force: bool) -> Iterator[dict[str, subprocess.Popen]]:
+def _compiling_beside(families: Sequence[Family], archs: Sequence[str], force: bool,
+                      also_compiling: Sequence[str]) -> Iterator[dict[str, subprocess.Popen]]:
     """Compile `families` each in a child process (``python -m fusedloss build --family``)
     while this one compiles another: two ninja builds keep the cores busy through each
     other's tails. Yields each child by family name; the caller waits for a child before
     it loads that family, which is then cached (or its failure recorded, which the
-    caller reports). Children still running when the body raises are stopped. Below
+    caller reports). Each child hears which builds compile beside it (`also_compiling`, and
+    the other children), for its estimate. Children still running when the body raises are
+    stopped. Below
     SIDE_BY_SIDE_FROM_CORES cores nothing starts: there the builds only contend, and one
     after the other is faster."""
     children: dict[str, subprocess.Popen] = {}
@@ -591,13 +617,13 @@ def _compiling_beside(families: Sequence[Family], archs: Sequence[str],
         families = ()
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    for family in families:
-        if not force and (build_root() / build_name(archs, family.name) / "build-complete").exists():
-            continue
-        command = [sys.executable, "-m", "fusedloss", "build", "--family", family.name, "--arch", ";".join(archs)]
+    starting = [family.name for family in families if force or not _built(archs, family)]
+    for name in starting:
+        env[_BESIDE_ENV] = ",".join([*also_compiling, *(other for other in starting if other != name)])
+        command = [sys.executable, "-m", "fusedloss", "build", "--family", name, "--arch", ";".join(archs)]
         # its stderr says what it compiles and how long that took; its summary on stdout is this process's to give
-        children[family.name] = subprocess.Popen(command + (["--force"] if force else []), env=env,
-                                                 stdout=subprocess.DEVNULL)
+        children[name] = subprocess.Popen(command + (["--force"] if force else []), env=env,
+                                          stdout=subprocess.DEVNULL)
     try:
         yield children
     except BaseException:
@@ -639,12 +665,22 @@ def build(arch: str | None = None, force: bool = False, families: Sequence[str] 
                 libraries[family.name] = _load_library(library, library.parent)
             else:
                 to_compile.append((family, why_not))
-        with _cxx_autograd_compiling(with_cxx_autograd), _compiling_beside(
-                [family for family, _ in to_compile[1:]], archs, force) as beside:
-            for family, why_not in to_compile:
-                if family.name in beside:
-                    beside[family.name].wait()  # its library is cached now, or its failure recorded
-                libraries[family.name] = _build_or_load(family, archs, force and family.name not in beside, why_not)
+        builds = sum(force or not _built(archs, family) for family, _ in to_compile)
+        if _cores() < SIDE_BY_SIDE_FROM_CORES:  # one after the other (_compiling_beside)
+            builds = min(builds, 1)
+        # a child's builds beside it, where this process is one: what a parent said, else none
+        from_parent = [name for name in os.environ.get(_BESIDE_ENV, "").split(",") if name]
+        with _cxx_autograd_compiling(with_cxx_autograd, builds) as autograd_compiling:
+            autograd = [_CXX_AUTOGRAD] if autograd_compiling else []
+            here = [family.name for family, _ in to_compile[:1] if force or not _built(archs, family)]
+            with _compiling_beside([family for family, _ in to_compile[1:]], archs, force,
+                                   [*here, *autograd]) as children:
+                for family, why_not in to_compile:
+                    if family.name in children:
+                        children[family.name].wait()  # its library is cached now, or its failure recorded
+                    beside = [*from_parent, *(name for name in children if name != family.name), *autograd]
+                    libraries[family.name] = _build_or_load(family, archs, force and family.name not in children,
+                                                            why_not, beside)
         if with_cxx_autograd:
             load_cxx_autograd(build_if_missing=True)
     return libraries
@@ -672,8 +708,9 @@ def load(*families: str) -> dict[str, Path]:
                     if library is not None:
                         _loaded[family.name] = _load_library(library, library.parent)
                     else:
-                        with _cxx_autograd_compiling(family.name == "plain"):
-                            _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not)
+                        with _cxx_autograd_compiling(family.name == "plain", builds_beside=1) as autograd:
+                            _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not,
+                                                                  beside=[_CXX_AUTOGRAD] if autograd else [])
                     if family.name == "plain":
                         # A source build has a compiler at hand; a wheel's user gets it from `build`.
                         load_cxx_autograd(build_if_missing=library is None)
@@ -714,13 +751,14 @@ def cxx_autograd_library() -> Path:
     return build_root() / name / f"{name}.so"
 
 
-def _compile_cxx_autograd(library: Path) -> None:
+def _compile_cxx_autograd(library: Path, builds_beside: int) -> None:
     compiler = os.environ.get("CXX") or "c++"
     torch_lib = Path(torch.__file__).parent / "lib"
     partial = library.with_suffix(".partial.so")
     command = [compiler, *_cxx_autograd_flags(), str(_CXX_AUTOGRAD_SOURCE), "-o", str(partial), f"-L{torch_lib}",
                "-lc10", "-ltorch_cpu"]
-    _say(f"compiling the C++ autograd for torch {torch.__version__} with {compiler}, once; about 10 s; cached in "
+    _say(f"compiling the C++ autograd for torch {torch.__version__} with {compiler}, once; "
+         f"about {_expected_cxx_autograd_seconds(builds_beside)} s here; cached in "
          f"{library.parent}")
     start = time.perf_counter()
     try:
@@ -733,9 +771,10 @@ def _compile_cxx_autograd(library: Path) -> None:
     _say(f"compiled the C++ autograd in {time.perf_counter() - start:.0f} s")
 
 
-def _compiled_cxx_autograd(build_if_missing: bool) -> Path | None:
+def _compiled_cxx_autograd(build_if_missing: bool, builds_beside: int = 0) -> Path | None:
     """The accelerator's library for this torch, compiled first if missing and
-    `build_if_missing`; None where it is not there (a failed compile is recorded and said once)."""
+    `build_if_missing` (beside `builds_beside` ninja builds); None where it is not there (a
+    failed compile is recorded and said once)."""
     library = cxx_autograd_library()
     record = library.parent / "build-failed.txt"
     if not library.exists():
@@ -745,7 +784,7 @@ def _compiled_cxx_autograd(build_if_missing: bool) -> Path | None:
         with _exclusive(library.parent / "build.flock"):
             if not library.exists():
                 try:
-                    _compile_cxx_autograd(library)
+                    _compile_cxx_autograd(library, builds_beside)
                 except KernelsUnavailableError as error:
                     record.write_text(f"{error}\n")
                     _say(f"the optional C++ autograd did not compile ({error}); the Python autograd serves, "
@@ -755,23 +794,23 @@ def _compiled_cxx_autograd(build_if_missing: bool) -> Path | None:
 
 
 @contextmanager
-def _cxx_autograd_compiling(wanted: bool) -> Iterator[None]:
+def _cxx_autograd_compiling(wanted: bool, builds_beside: int) -> Iterator[bool]:
     """Compile the accelerator, where `wanted` and missing, in a thread while the body builds
-    the kernels: a host compile beside nvcc's, so a source build's wall time is the longer
-    of the two, not their sum. Loading it stays with the caller, after the kernels'
-    operators exist."""
+    the kernels (`builds_beside` ninja builds): a host compile beside nvcc's, so a source
+    build's wall time is the longer of the two, not their sum. Yields whether it compiles.
+    Loading it stays with the caller, after the kernels' operators exist."""
     worker = None
     if (wanted and not _cxx_autograd_loaded and os.environ.get(CXX_AUTOGRAD_ENV, "1") != "0"
             and not cxx_autograd_library().exists()):
         def compile_quietly() -> None:
             try:
-                _compiled_cxx_autograd(build_if_missing=True)
+                _compiled_cxx_autograd(build_if_missing=True, builds_beside=builds_beside)
             except Exception:  # the caller's load_cxx_autograd meets it again and reports it
                 pass
         worker = threading.Thread(target=compile_quietly, name="fusedloss-cxx-autograd", daemon=True)
         worker.start()
     try:
-        yield
+        yield worker is not None
     finally:
         if worker is not None:
             worker.join()
