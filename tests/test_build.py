@@ -456,18 +456,19 @@ def test_families_that_need_compiling_compile_side_by_side(tmp_path, monkeypatch
 
     monkeypatch.setattr(build, "_build_or_load", build_or_load)
     libraries = build.build("8.0;9.0+PTX", force=force, cxx_autograd=False)
-    assert libraries == {"plain": tmp_path / "plain.so", "weighted": tmp_path / "weighted.so"}
-    # the weighted family compiles in a child while this process compiles the plain one; the child's
-    # result is loaded after it ends, without compiling again
-    # the weighted family compiles in a child while this process compiles the plain one; the child's
-    # result is loaded after it ends, without compiling again; each build's estimate counts the other
-    assert events == [("spawned", "weighted"), ("built", "plain", force, ("weighted",)), ("waited", "weighted"),
-                      ("built", "weighted", False, ()), ("waited", "weighted")]
-    (child,) = children
-    assert child.command[1:] == ["-m", "fusedloss", "build", "--family", "weighted", "--arch", "8.0;9.0+PTX"] + (
-        ["--force"] if force else [])
-    assert child.command[0] == sys.executable and str(SRC) in child.kwargs["env"]["PYTHONPATH"].split(os.pathsep)
-    assert child.kwargs["env"][build._BESIDE_ENV] == "plain"
+    assert libraries == {name: tmp_path / f"{name}.so" for name in ("plain", "weighted", "likelihood")}
+    # the other families compile in children while this process compiles the plain one; a child's
+    # result is loaded after it ends, without compiling again; each build's estimate counts the others
+    assert events == [("spawned", "weighted"), ("spawned", "likelihood"),
+                      ("built", "plain", force, ("weighted", "likelihood")),
+                      ("waited", "weighted"), ("built", "weighted", False, ("likelihood",)),
+                      ("waited", "likelihood"), ("built", "likelihood", False, ("weighted",)),
+                      ("waited", "weighted"), ("waited", "likelihood")]
+    for child, name, beside in zip(children, ("weighted", "likelihood"), ("plain,likelihood", "plain,weighted")):
+        assert child.command[1:] == ["-m", "fusedloss", "build", "--family", name, "--arch", "8.0;9.0+PTX"] + (
+            ["--force"] if force else [])
+        assert child.command[0] == sys.executable and str(SRC) in child.kwargs["env"]["PYTHONPATH"].split(os.pathsep)
+        assert child.kwargs["env"][build._BESIDE_ENV] == beside
 
 
 def test_a_cached_family_starts_no_child_and_a_failed_build_stops_the_children(tmp_path, monkeypatch):
@@ -476,13 +477,14 @@ def test_a_cached_family_starts_no_child_and_a_failed_build_stops_the_children(t
     events: list = []
     monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
     monkeypatch.setattr(build.subprocess, "Popen", lambda command, **kwargs: _FakeChild(events, command, **kwargs))
-    cached = tmp_path / build.build_name(["9.0"], "weighted")
-    cached.mkdir()
-    (cached / "build-complete").touch()
+    cached = [tmp_path / build.build_name(["9.0"], name) for name in ("weighted", "likelihood")]
+    for directory in cached:
+        directory.mkdir()
+        (directory / "build-complete").touch()
     monkeypatch.setattr(build, "_build_or_load", lambda family, *args, **kwargs: tmp_path / f"{family.name}.so")
     build.build("9.0", cxx_autograd=False)
     assert events == []
-    (cached / "build-complete").unlink()
+    (cached[0] / "build-complete").unlink()
 
     def failing(family, *args, **kwargs):
         raise build.KernelsUnavailableError(f"{family.name} failed")
@@ -502,7 +504,7 @@ def test_on_few_cores_the_families_compile_one_after_the_other(tmp_path, monkeyp
     monkeypatch.setattr(build, "_build_or_load", lambda family, archs, force=False, why="", beside=():
                         built.append((family.name, force, tuple(beside))) or tmp_path)
     build.build("9.0", force=True, cxx_autograd=False)
-    assert built == [("plain", True, ()), ("weighted", True, ())]
+    assert built == [("plain", True, ()), ("weighted", True, ()), ("likelihood", True, ())]
 
 
 def test_a_build_estimate_counts_the_builds_that_share_the_cores(monkeypatch):

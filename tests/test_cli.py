@@ -31,7 +31,7 @@ def test_info_says_where_each_family_comes_from(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"fusedloss {fusedloss.__version__}; torch ")
-    for family in ("plain", "weighted"):
+    for family in ("plain", "weighted", "likelihood"):
         (line,) = [line for line in lines if line.startswith(f"{family} kernels: ")]
         assert "wheel" in line or str(tmp_path) in line  # the wheel's, or where a build would go
     assert any(line.startswith("C++ autograd: ") for line in lines)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import TOLERANCE, heavy_tailed, requires_cuda
 
 import fusedloss
-from fusedloss import likelihood
+from fusedloss import build, likelihood
 
 SHAPE = (4, 5, 6)
 VAR_SHAPES = {"same": SHAPE, "homoscedastic": SHAPE[:-1], "one-column": (4, 5, 1), "one-middle": (4, 1, 6)}
@@ -211,6 +211,19 @@ def test_cuda_gaussian_takes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out, expected)  # the written-out route rounds a product once
     assert negative.isnan()
+    # the fused route (a var of the input's shape), forward and backward
+    var = var.detach().expand_as(x).contiguous().requires_grad_()
+    expected = F.gaussian_nll_loss(x, y, var)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fusedloss.gaussian_nll_loss(x, y, var)
+        (out * 0.37).backward()
+        negative = fusedloss.gaussian_nll_loss(x, y, var.detach() - 1.0, reduction="sum")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, expected)
+    assert negative.isnan() and var.grad.isfinite().all()
 
 
 # ---- the written-out autograd functions (the GPU's eager route) ------------------------------
@@ -307,9 +320,16 @@ def test_written_out_matches_float64_as_pytorch_does(device, name, dtypes, reduc
     on a second run."""
     shape = (1025, 1023)
     input, target, var = _likelihood_operands(name, shape, dtypes, device, var_shape=(1025, 1))
+    _check_against_float64(_written_out, name, input, target, var, reduction, grad_output)
+
+
+def _check_against_float64(fn, name, input, target, var, reduction, grad_output):
+    """fn's value and every gradient against float64, within the error of PyTorch's own
+    formula in these dtypes; the same bits on a second run."""
+    __tracebackhide__ = True
     leaves = [t for t in (input, target, var) if t is not None]
-    out = _written_out(name, input, target, var, reduction)
-    again = _written_out(name, input, target, var, reduction)
+    out = fn(name, input, target, var, reduction)
+    again = fn(name, input, target, var, reduction)
     expected = _pytorch(name, input, target, var, reduction)
     exact = _pytorch(name, *(None if t is None else t.double() for t in (input, target, var)), reduction)
     assert out.dtype == expected.dtype and out.shape == expected.shape
@@ -397,15 +417,25 @@ def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
 
         def theirs(i, t):
             return F.gaussian_nll_loss(i, t, var)
-    assert "addcmul.default" in _route_ops(lambda: ours(input, target))
+    # operands of one shape take the fused kernels; a var per row the written-out function
+    route = _route_ops(lambda: ours(input, target))
+    assert (("likelihood_loss.default" in route) == name.startswith("poisson")
+            and ("addcmul.default" in route) == (name == "gaussian"))
     if name.startswith("poisson"):
-        assert "addcmul.default" not in _route_ops(lambda: ours(input[:-1], target[:-1]))
+        assert "likelihood_loss.default" not in _route_ops(lambda: ours(input[:-1], target[:-1]))
+        none = _route_ops(lambda: fusedloss.poisson_nll_loss(input, target, log_input=name == "poisson",
+                                                              reduction="none"))
+        assert "addcmul.default" in none and "likelihood_loss.default" not in none
+    else:
+        route = _route_ops(lambda: fusedloss.gaussian_nll_loss(input, target, var.expand_as(input).contiguous()))
+        assert "likelihood_loss.default" in route and "addcmul.default" not in route
     # bfloat16 operands take it too (float32's range); float16 ones keep PyTorch's formula
     for dtype, taken in ((torch.bfloat16, True), (torch.float16, False)):
         i, t = (x.detach().to(dtype) for x in (input, target))
         if name.startswith("poisson"):  # as many bytes as the float32 operands above
             i, t = torch.cat([i, i]), torch.cat([t, t])
-        assert ("addcmul.default" in _route_ops(lambda: ours(i, t))) == taken, dtype
+        route = _route_ops(lambda: ours(i, t))
+        assert ("addcmul.default" in route or "likelihood_loss.default" in route) == taken, dtype
     for dtype in (torch.bfloat16, torch.float16):
         with torch.autocast("cuda", dtype=dtype):
             got, want = ours(input.to(dtype), target.to(dtype)), theirs(input.to(dtype), target.to(dtype))
@@ -421,11 +451,13 @@ def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
 
 
 @requires_cuda
-@pytest.mark.parametrize("name", ["poisson", "gaussian"])
-def test_cuda_graph_replays_the_written_out_step(name):
-    """A captured step (loss and backward) replays the eager step's bits with new operands."""
+@pytest.mark.parametrize(("name", "var_columns"), [("poisson", None), ("gaussian", 1), ("gaussian", 64)])
+def test_cuda_graph_replays_the_eager_step(name, var_columns):
+    """A captured step (loss and backward) replays the eager step's bits with new operands:
+    the fused route (the Poisson loss, a var of the input's shape) and the written-out one."""
     shape = (likelihood.POISSON_WRITTEN_OUT_FROM_BYTES // (2 * 64 * 4) + 1, 64)
-    input, target, var = _likelihood_operands(name, shape, (torch.float32,) * 3, "cuda", var_shape=(shape[0], 1))
+    var_shape = (shape[0], var_columns or 1)
+    input, target, var = _likelihood_operands(name, shape, (torch.float32,) * 3, "cuda", var_shape=var_shape)
     loss = (lambda i, t: fusedloss.poisson_nll_loss(i, t)) if name == "poisson" else \
         (lambda i, t: fusedloss.gaussian_nll_loss(i, t, var))
     leaves = [t for t in (input, target, var) if t is not None]
@@ -448,7 +480,7 @@ def test_cuda_graph_replays_the_written_out_step(name):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    fresh = _likelihood_operands(name, shape, (torch.float32,) * 3, "cuda", var_shape=(shape[0], 1))
+    fresh = _likelihood_operands(name, shape, (torch.float32,) * 3, "cuda", var_shape=var_shape)
     with torch.no_grad():
         for leaf, new in zip(leaves, [t for t in fresh if t is not None]):
             leaf.copy_(new)
@@ -458,3 +490,78 @@ def test_cuda_graph_replays_the_written_out_step(name):
     expected = (eager.detach(), *(leaf.grad for leaf in leaves))
     for a, b in zip(replayed, expected):
         _same_bits(a, b)
+
+
+# ---- the fused kernels: a mean or sum of operands of one dtype and one shape on a GPU ------------
+
+_KINDS = {"poisson": "poisson", "poisson rate": "poisson_rate", "gaussian": "gaussian"}
+
+
+def _fused(name, input, target, var, reduction, full=False):
+    """The fused autograd function, as the GPU's eager route applies it (which loads its kernels)."""
+    build.load("likelihood")
+    return likelihood.FusedLikelihood.apply(input, target, var if name == "gaussian" else None, _KINDS[name],
+                                            1e-6 if name == "gaussian" else 1e-8, full, reduction)
+
+
+@requires_cuda
+@pytest.mark.parametrize("grad_output", GRAD_OUTPUTS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
+def test_cuda_fused_matches_float64_as_pytorch_does(name, dtype, reduction, grad_output):
+    """The public functions on the fused route (checked to be taken) for operands from where
+    it starts (2^20 + 3 elements, the Poisson loss's from POISSON_WRITTEN_OUT_FROM_BYTES): the
+    value and every gradient against float64, within PyTorch's own error plus the dtype's
+    tolerance, for grad_outputs that are not 1 too; the same bits on a second run."""
+    size = torch.empty((), dtype=dtype).element_size()
+    rows = likelihood.POISSON_WRITTEN_OUT_FROM_BYTES // (2 * 1023 * size) + 1 if name != "gaussian" else 1025
+    input, target, var = _likelihood_operands(name, (rows, 1023), (dtype,) * 3, "cuda")
+
+    def public(name, input, target, var, reduction):
+        if name == "gaussian":
+            return fusedloss.gaussian_nll_loss(input, target, var, reduction=reduction)
+        return fusedloss.poisson_nll_loss(input, target, log_input=name == "poisson", reduction=reduction)
+
+    assert "likelihood_loss.default" in _route_ops(lambda: public(name, input, target, var, reduction))
+    _check_against_float64(public, name, input, target, var, reduction, grad_output)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
+def test_cuda_fused_edges(name):
+    """PyTorch's values and gradients for each of NaN, inf, 0 (a var of 0, inf and below eps)
+    alone, for empty and 0-d operands, with ``full``; a double backward differentiates
+    PyTorch's formula; a second backward (retain_graph) gives the first one's bits."""
+    special = [math.nan, math.inf, -math.inf, 0.0, 1.0, 100.0, -100.0, 1e-30]
+    counts = [1.0, 0.0, 2.0, math.nan, math.inf, 3.0, 0.5, 7.0]
+    variances = [1.0, 2.0, 0.5, 1.0, math.inf, 0.0, 1e-9, math.nan]
+    cases = [torch.tensor(v, device="cuda", dtype=torch.float64) for v in zip(special, counts, variances)]
+    cases = [c.unbind() for c in cases]
+    for shape in ((0, 3), (4, 5)):
+        cases.append(_likelihood_operands(name, shape, (torch.float64,) * 3, "cuda"))
+    for reduction, full in itertools.product(("mean", "sum"), (False, True)):
+        if full and name != "gaussian":
+            continue
+        for operands in cases:
+            leaves = [t.detach().requires_grad_() for t in operands[:3 if name == "gaussian" else 2]]
+            input, target, var = (*leaves, None)[:3]
+            out = _fused(name, input, target, var, reduction, full)
+            expected = _pytorch(name, input, target, var, reduction, full)
+            torch.testing.assert_close(out, expected, equal_nan=True)
+            grads = torch.autograd.grad(out, leaves, create_graph=True)
+            wants = torch.autograd.grad(expected, leaves, create_graph=True)
+            for a, b in zip(grads, wants):
+                torch.testing.assert_close(a, b, equal_nan=True)
+            if input.numel() and grads[0].requires_grad:
+                for a, b in zip(torch.autograd.grad(grads[0].sum(), leaves, allow_unused=True),
+                                torch.autograd.grad(wants[0].sum(), leaves, allow_unused=True)):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        torch.testing.assert_close(a, b, equal_nan=True)
+            out = _fused(name, input, target, var, reduction, full)
+            first = torch.autograd.grad(out, leaves, torch.tensor(0.37, device="cuda", dtype=out.dtype),
+                                        retain_graph=True)
+            second = torch.autograd.grad(out, leaves, torch.tensor(0.37, device="cuda", dtype=out.dtype))
+            for a, b in zip(first, second):
+                _same_bits(a, b)

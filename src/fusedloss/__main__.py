@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     build_parser.add_argument("--arch", help="compute capabilities, e.g. 9.0 or '8.0;9.0+PTX' (default: "
                                              "TORCH_CUDA_ARCH_LIST, else the visible GPUs)")
     build_parser.add_argument("--force", action="store_true", help="build again, also after a recorded failure")
-    build_parser.add_argument("--family", action="append", default=[], choices=["plain", "weighted"],
+    build_parser.add_argument("--family", action="append", default=[],
+                              choices=["plain", "weighted", "likelihood"],
                               help="build only this family of kernels (repeatable; default: all)")
     bench = commands.add_parser("bench", help="check against float64 and time against eager and torch.compile")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the table, CSV and plot")

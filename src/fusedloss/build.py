@@ -1,7 +1,7 @@
 """Compiling and loading the CUDA kernels.
 
 The kernels come in families (``FAMILIES``), one library each: the plain losses,
-and the weighted ones. Their host code uses only PyTorch's stable ABI
+the weighted ones, and the Gaussian and Poisson likelihoods. Their host code uses only PyTorch's stable ABI
 (``csrc/glue.h``, ``-DTORCH_TARGET_VERSION``), so one compiled library loads on
 every torch from ``STABLE_ABI_FLOOR`` up.
 
@@ -12,7 +12,7 @@ are compiled on its first use with ``torch.utils.cpp_extension.load``, each
 ``.cu`` file once per input dtype (``shard_sources``), in parallel, for the
 compute capabilities of the visible GPUs (or those named by
 ``TORCH_CUDA_ARCH_LIST`` or ``python -m fusedloss build --arch``): the plain
-family on the first loss call, the weighted one on the first call that needs it.
+family on the first loss call, the others on the first call that needs them.
 A build goes into ``$TORCH_EXTENSIONS_DIR/fusedloss_<family>_<hash>`` (torch's
 default root when unset); the hash covers the sources, the flags, the
 architectures and the torch, CUDA and Python versions, so a build is reused by
@@ -114,6 +114,9 @@ FAMILIES = {
          "weighted_reduced_loss_backward_input_gradient.cu", "weighted_reduced_loss_input_and_target_gradients.cu",
          "weighted_reduced_loss_input_gradient.cu"),
         ("weighted_loss", "weighted_loss_backward", "weighted_loss_backward_", "pointwise_loss_backward_broadcast"),
+    ),
+    "likelihood": Family(
+        "likelihood", "likelihood_ops.cpp", ("likelihood_loss.cu",), ("likelihood_loss", "likelihood_loss_backward_"),
     ),
 }
 OPS = tuple(op for family in FAMILIES.values() for op in family.ops)
@@ -375,7 +378,7 @@ def _first_error_lines(message: str, count: int = 3) -> str:
 
 # What each build's objects take, measured on a 16-core GPU host (nvcc 13.0, one
 # architecture): the seconds of one core that all of them take, and the slowest one's.
-_CORE_SECONDS = {"plain": (260, 16), "weighted": (525, 39)}
+_CORE_SECONDS = {"plain": (260, 16), "weighted": (525, 39), "likelihood": (40, 10)}
 # The C++ autograd: one host compile, of one core.
 _CXX_AUTOGRAD = "C++ autograd"
 _CXX_AUTOGRAD_SECONDS = 10
@@ -619,10 +622,10 @@ def _compiling_beside(families: Sequence[Family], archs: Sequence[str], force: b
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     starting = [family.name for family in families if force or not _built(archs, family)]
     for name in starting:
-        env[_BESIDE_ENV] = ",".join([*also_compiling, *(other for other in starting if other != name)])
+        beside = ",".join([*also_compiling, *(other for other in starting if other != name)])
         command = [sys.executable, "-m", "fusedloss", "build", "--family", name, "--arch", ";".join(archs)]
         # its stderr says what it compiles and how long that took; its summary on stdout is this process's to give
-        children[name] = subprocess.Popen(command + (["--force"] if force else []), env=env,
+        children[name] = subprocess.Popen(command + (["--force"] if force else []), env={**env, _BESIDE_ENV: beside},
                                           stdout=subprocess.DEVNULL)
     try:
         yield children

@@ -9,11 +9,14 @@ nothing, PyTorch's ValueError is kept.
 On a GPU, in eager mode, with float32, float64 and bfloat16 operands (float16 ones under
 autocast too), both losses (the Poisson loss without ``full``, from operands of
 ``POISSON_WRITTEN_OUT_FROM_BYTES``) are autograd functions with their derivatives written
-out: about half the passes over the operands of autograd through PyTorch's formula. Their
-values and gradients are PyTorch's up to rounding (a product and a sum rounded once, not
-twice). Elsewhere (the CPU, float16 operands outside autocast, smaller or ``full`` Poisson
-losses, ``torch.compile``, torch.func transforms and forward-mode AD, tensor subclasses)
-the losses are PyTorch's own operations.
+out. A mean or sum of operands of one dtype and one shape (a var of the input's shape) is
+one fused pass over the operands that also writes their gradients (``FusedLikelihood``);
+other shapes and dtypes, and ``reduction='none'``, take torch operations in about half the
+passes of autograd through PyTorch's formula. Their values and gradients are PyTorch's up
+to rounding (a product and a sum rounded once, not twice). Elsewhere (the CPU, float16
+operands outside autocast, smaller or ``full`` Poisson losses, ``torch.compile``,
+torch.func transforms and forward-mode AD, tensor subclasses) the losses are PyTorch's own
+operations.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch import Tensor
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import ops, reductions, routing
+from . import build, ops, reductions, routing
 from .losses import reduced
 from .reductions import Dims
 
@@ -52,6 +55,8 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
     elif _written_out_applies(*(computed := _gaussian_operands(input, target, var))):
         input, target, var = computed
         _check_reduction(reduction)
+        if plain and reduction != "none" and _fused_applies(input, target, var):
+            return FusedLikelihood.apply(input, target, var, "gaussian", eps, full, reduction)
         if plain:
             return GaussianNll.apply(input, target, var, full, eps, reduction)
         per_element = GaussianNll.apply(input, target, var, full, eps, "none")
@@ -71,6 +76,14 @@ def _written_out_applies(*operands: Tensor) -> bool:
     return (all(isinstance(t, Tensor) and t.is_cuda and t.dtype in _WRITTEN_OUT_DTYPES for t in operands)
             and not torch.compiler.is_compiling() and not routing.under_a_transform()
             and routing.no_torch_function(*operands))
+
+
+def _fused_applies(*operands: Tensor) -> bool:
+    """Whether the fused kernels (``FusedLikelihood``) take these operands as computed: one
+    dtype and one shape (the written-out functions take the others), the kernels at hand."""
+    first = operands[0]
+    return (all(t.dtype == first.dtype and t.shape == first.shape for t in operands[1:])
+            and build.use_kernels("likelihood"))
 
 
 def _gaussian_operands(input: Tensor, target: Tensor, var: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -170,6 +183,50 @@ class GaussianNll(torch.autograd.Function):
         return grad_input, grad_target, grad_var, None, None, None
 
 
+class FusedLikelihood(torch.autograd.Function):
+    """A mean or sum of the Gaussian (``kind='gaussian'``) or Poisson (``'poisson'`` of a log
+    rate, ``'poisson_rate'`` of a rate) NLL of CUDA operands of one dtype and one shape, in
+    one fused pass (``fusedloss::likelihood_loss``) that also writes the gradients autograd
+    will want, for a grad_output of 1; backward hands them on, recomputed in place on the
+    GPU where grad_output is another. Values and gradients are PyTorch's formulas computed
+    in float32 (float64 for float64 operands), each rounded once. A double backward
+    differentiates PyTorch's formula."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+                reduction: str) -> Tensor:
+        wanted = [bool(w) for w in ctx.needs_input_grad[:3]]
+        with torch._C._AutoDispatchBelowAutograd():
+            out, *grads = torch.ops.fusedloss.likelihood_loss(input, target, var, kind, eps, full, reduction, wanted)
+        ctx.save_for_backward(input, target, var)
+        ctx.arguments = (kind, eps, full, reduction)
+        ctx.written = grads  # handed on by the first backward; a second recomputes its own
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        input, target, var = ctx.saved_tensors
+        kind, eps, full, reduction = ctx.arguments
+        wanted = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
+            with torch.enable_grad():
+                if kind == "gaussian":
+                    loss = reduced(gaussian_nll_elementwise(input, target, var, full, eps, "none"), reduction)
+                else:
+                    loss = F.poisson_nll_loss(input, target, log_input=kind == "poisson", eps=eps, reduction=reduction)
+            grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, var), wanted) if w],
+                                             grad_output, create_graph=True))
+            return tuple(next(grads) if w else None for w in wanted) + (None,) * 4
+        grads, ctx.written = ctx.written, None
+        with torch._C._AutoDispatchBelowAutograd():
+            if grads is None:  # a backward after the first (retain_graph): its own buffers
+                _, *grads = torch.ops.fusedloss.likelihood_loss(input, target, var, kind, eps, full, reduction,
+                                                                [bool(w) for w in wanted])
+            torch.ops.fusedloss.likelihood_loss_backward_(*grads, grad_output, input, target, var, kind, eps,
+                                                          reduction)
+        return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 4
+
+
 class PoissonNll(torch.autograd.Function):
     """PyTorch's Poisson NLL without ``full``, with its derivatives written out: for a log
     rate (``log_input``), exp(input) - target input per element, exp(input) - target for
@@ -245,6 +302,9 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
     if written_out is not None:
         input, target = written_out
         if weight is None and scale is None and dim is None:
+            if reduction != "none" and _fused_applies(input, target):
+                return FusedLikelihood.apply(input, target, None, "poisson" if log_input else "poisson_rate", eps,
+                                             False, reduction)
             return PoissonNll.apply(input, target, log_input, eps, reduction)
         per_element = PoissonNll.apply(input, target, log_input, eps, "none")
     else:

@@ -1,7 +1,7 @@
 """The ``fusedloss::`` operators: schemas, fake kernels, autograd and CPU kernels.
 
 The CUDA kernels live in the compiled libraries of ``build.FAMILIES``
-(``csrc/plain_ops.cpp``, ``csrc/weighted_ops.cpp``), which register them on
+(``csrc/plain_ops.cpp``, ``csrc/weighted_ops.cpp``, ``csrc/likelihood_ops.cpp``), which register them on
 PyTorch's stable ABI when ``build.load()`` loads them. The schemas are defined
 here so that they, the fake kernels and the autograd exist, and can be tested,
 without a GPU. Autograd is written once, here, for every device.
@@ -62,6 +62,12 @@ broadcast shape and autograd sums them to each operand's own shape.
   wanted alone.
 - ``loss_gradients``: the same gradients as a composite of torch operations,
   which autograd can differentiate again (``create_graph=True``).
+- ``likelihood_loss``: the Gaussian (``kind='gaussian'``, with ``var``) or Poisson
+  (``'poisson'`` of a log rate, ``'poisson_rate'`` of a rate) negative log-likelihood's
+  mean or sum, of operands of one dtype and shape, in one pass that also writes the
+  gradients ``output_mask`` asks for (input, target, var) for a grad_output of 1;
+  ``likelihood_loss_backward_`` recomputes them in place where grad_output is another
+  (decided on the GPU). CUDA only: their autograd is ``likelihood.FusedLikelihood``.
 
 With ``autocast``, the losses compute what CUDA autocast computes: 16-bit
 operands as float32 (these losses are on its float32 list), a float32 loss,
@@ -137,6 +143,14 @@ _lib.define(
 )
 _lib.define("grad_output_history() -> Tensor")
 _lib.define("weighted_grad_output_history() -> Tensor")
+_lib.define(
+    "likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
+    "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "likelihood_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_var, "
+    "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, str reduction) -> ()"
+)
 
 
 def _grad_buffer(wanted: bool, like: Tensor, shape: Sequence[int]) -> Tensor:
@@ -293,6 +307,23 @@ def _weighted_loss_backward_in_place_fake(
     param_per_element: bool = False,
 ) -> None:
     _load_kernels_for(input.device, "weighted")
+
+
+@torch.library.register_fake("fusedloss::likelihood_loss")
+def _likelihood_loss_fake(
+    input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool, reduction: str,
+    output_mask: Sequence[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _load_kernels_for(input.device, "likelihood")
+    return input.new_empty(()), *(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)
+
+
+@torch.library.register_fake("fusedloss::likelihood_loss_backward_")
+def _likelihood_loss_backward_in_place_fake(
+    grad_input: Tensor, grad_target: Tensor, grad_var: Tensor, grad_output: Tensor, input: Tensor, target: Tensor,
+    var: Tensor | None, kind: str, eps: float, reduction: str,
+) -> None:
+    _load_kernels_for(input.device, "likelihood")
 
 
 # ---- CPU kernels: the torch formulas --------------------------------------------

@@ -1,0 +1,41 @@
+// The Gaussian and Poisson negative log-likelihoods' problem and launchers, which the
+// likelihood family's host code (likelihood_ops.cpp) and kernels (likelihood_loss.cu) share.
+#pragma once
+
+#include "launch.h"
+
+namespace fusedloss {
+
+// PyTorch's gaussian_nll_loss, and poisson_nll_loss without `full`, of a log rate or a rate.
+enum class Likelihood : int { kGaussian, kPoissonLogRate, kPoissonRate };
+
+// A mean or sum over `numel` elements of operands of one dtype and one shape, contiguous
+// and 16-byte aligned; `var` for the Gaussian only.
+struct LikelihoodProblem {
+  Likelihood kind;
+  DType input_dtype;  // every operand's, and the loss's (shards.h dispatches on it)
+  const void* input;
+  const void* target;
+  const void* var;
+  int64_t numel;
+  double eps;       // the Gaussian's var is clamped at it; the Poisson rate shifted by it
+  double constant;  // added to each element's loss: the Gaussian's full term, else 0
+  double scale;     // the reduction's: 1 / numel for a mean, 1 for a sum
+};
+
+}  // namespace fusedloss
+
+FUSEDLOSS_KERNELS_BEGIN
+
+// How many partial sums launch_likelihood_loss takes.
+int64_t likelihood_partials(const LikelihoodProblem& problem);
+// The loss into `out` (the operands' dtype), and each gradient whose pointer is set, for a
+// grad_output of 1, rounded once.
+cudaError_t launch_likelihood_loss(const LikelihoodProblem& problem, double* partials, void* grad_input,
+                                   void* grad_target, void* grad_var, void* out, cudaStream_t stream);
+// The gradients that launch_likelihood_loss wrote, recomputed in place for *grad_output
+// where it is not 1 (decided on the GPU), by one wave of blocks over `num_sms` SMs.
+cudaError_t launch_likelihood_backward(const LikelihoodProblem& problem, const void* grad_output, int num_sms,
+                                       void* grad_input, void* grad_target, void* grad_var, cudaStream_t stream);
+
+FUSEDLOSS_KERNELS_END

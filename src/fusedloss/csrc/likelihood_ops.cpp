@@ -1,0 +1,111 @@
+// The CUDA kernels of the Gaussian and Poisson negative log-likelihoods
+// (likelihood_loss.cu), one library of their own, compiled on the first call that
+// needs them. Each launches on the current stream of the operands' own device.
+#include "glue.h"
+#include "likelihood.h"
+#include "shards.h"
+
+namespace fusedloss {
+
+FUSEDLOSS_SHARD_DISPATCH(int64_t, likelihood_partials, (const LikelihoodProblem& problem), (problem))
+FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_loss,
+                         (const LikelihoodProblem& problem, double* partials, void* grad_input, void* grad_target,
+                          void* grad_var, void* out, cudaStream_t stream),
+                         (problem, partials, grad_input, grad_target, grad_var, out, stream))
+FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_backward,
+                         (const LikelihoodProblem& problem, const void* grad_output, int num_sms, void* grad_input,
+                          void* grad_target, void* grad_var, cudaStream_t stream),
+                         (problem, grad_output, num_sms, grad_input, grad_target, grad_var, stream))
+
+namespace {
+
+Likelihood parse_likelihood(const std::string& name) {
+  if (name == "gaussian") return Likelihood::kGaussian;
+  if (name == "poisson") return Likelihood::kPoissonLogRate;
+  if (name == "poisson_rate") return Likelihood::kPoissonRate;
+  STD_TORCH_CHECK(false, "fusedloss: unknown likelihood '", name, "'");
+}
+
+// The operands as the kernels read them: one dtype and one shape on one CUDA device (the
+// callers broadcast and convert), contiguous and aligned (copied where they are not).
+struct LikelihoodOperands {
+  Tensor input, target, var;  // var: undefined but for the Gaussian
+  LikelihoodProblem problem;
+};
+
+LikelihoodOperands prepare_likelihood(const Tensor& input, const Tensor& target, const std::optional<Tensor>& var,
+                                      const std::string& kind, double eps, bool full, const std::string& reduction) {
+  const Likelihood likelihood = parse_likelihood(kind);
+  const bool mean = parse_mean(reduction);
+  STD_TORCH_CHECK(var.has_value() == (likelihood == Likelihood::kGaussian),
+                  "fusedloss: the Gaussian likelihood takes a var, the Poisson ones none");
+  const ScalarType dtype = input.scalar_type();
+  const Shape shape = shape_of(input);
+  STD_TORCH_CHECK(is_kernel_dtype(dtype) && input.is_cuda(), "fusedloss: likelihood_loss takes a CUDA input of "
+                  "float16, bfloat16, float32 or float64");
+  for (const Tensor* operand : {&target, var.has_value() ? &*var : &target}) {
+    STD_TORCH_CHECK(operand->scalar_type() == dtype && shape_of(*operand) == shape && same_device(*operand, input),
+                    "fusedloss: likelihood_loss takes operands of one dtype and one shape on one device");
+  }
+  LikelihoodOperands ops;
+  ops.input = as_kernel_layout(input);
+  ops.target = as_kernel_layout(target);
+  if (var.has_value()) ops.var = as_kernel_layout(*var);
+  const int64_t numel = product(shape);
+  ops.problem = LikelihoodProblem{likelihood,
+                                  to_dtype(dtype),
+                                  ops.input.data_ptr(),
+                                  ops.target.data_ptr(),
+                                  var.has_value() ? ops.var.data_ptr() : nullptr,
+                                  numel,
+                                  eps,
+                                  full && likelihood == Likelihood::kGaussian ? 0.91893853320467274178 : 0.0,
+                                  mean ? 1.0 / double(numel) : 1.0};
+  return ops;
+}
+
+// The loss (the operands' dtype), and the gradients output_mask asks for (input, target,
+// var), written for a grad_output of 1: likelihood_loss_backward_ corrects them for another.
+std::tuple<Tensor, Tensor, Tensor, Tensor> likelihood_loss(Tensor input, Tensor target, std::optional<Tensor> var,
+                                                           std::string kind, double eps, bool full,
+                                                           std::string reduction, std::vector<bool> output_mask) {
+  const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, full, reduction);
+  STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
+                  "fusedloss: likelihood_loss's output_mask names input, target and var");
+  const Shape shape = shape_of(input);
+  const ScalarType dtype = input.scalar_type();
+  Tensor out = empty({}, dtype, input);
+  Tensor grad_input = maybe_grad_buffer(output_mask[0], shape, dtype, input);
+  Tensor grad_target = maybe_grad_buffer(output_mask[1], shape, dtype, input);
+  Tensor grad_var = maybe_grad_buffer(output_mask[2], shape, dtype, input);
+  Tensor partials = empty({std::max<int64_t>(likelihood_partials(ops.problem), 1)}, ScalarType::Double, input);
+  FUSEDLOSS_CUDA_CHECK(launch_likelihood_loss(ops.problem, static_cast<double*>(partials.data_ptr()),
+                                              data_or_null(grad_input), data_or_null(grad_target),
+                                              data_or_null(grad_var), out.data_ptr(), current_stream(input)));
+  return {out, grad_input, grad_target, grad_var};
+}
+
+// The gradients likelihood_loss wrote, recomputed in place for grad_output where it is not 1
+// (decided on the GPU: no sync). An empty tensor stands for a gradient not written.
+void likelihood_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor grad_var, Tensor grad_output,
+                               Tensor input, Tensor target, std::optional<Tensor> var, std::string kind, double eps,
+                               std::string reduction) {
+  const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, false, reduction);
+  check_grad_output(grad_output, input, "likelihood_loss_backward_");
+  const Tensor go = as_dtype(grad_output, input.scalar_type());
+  FUSEDLOSS_CUDA_CHECK(launch_likelihood_backward(
+      ops.problem, go.data_ptr(), backward_options(-1, true).num_sms, written_gradient(grad_input, input),
+      written_gradient(grad_target, input), var.has_value() ? written_gradient(grad_var, input) : nullptr,
+      current_stream(input)));
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
+  m.impl("likelihood_loss", TORCH_BOX(&likelihood_loss));
+  m.impl("likelihood_loss_backward_", TORCH_BOX(&likelihood_loss_backward_));
+}
+
+}  // namespace fusedloss
