@@ -40,7 +40,7 @@ print(" ".join(["-std=c++17", "-fPIC", "-DTORCH_API_INCLUDE_EXTENSION_H",
                 *build.COMMON_FLAGS, *(f"-isystem {p}" for p in paths)]))
 EOF
 )
-for source in plain_ops weighted_ops; do
+for source in plain_ops weighted_ops likelihood_ops; do
   start=$SECONDS
   # shellcheck disable=SC2086
   ${CXX:-c++} $flags -isystem "$CUDA/include" -c "$REPO/src/fusedloss/csrc/$source.cpp" -o "$WORK/$source.o"
