@@ -6,6 +6,7 @@ The compiler is a stand-in here (the real build runs in CI through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -505,6 +506,40 @@ def test_on_few_cores_the_families_compile_one_after_the_other(tmp_path, monkeyp
                         built.append((family.name, force, tuple(beside))) or tmp_path)
     build.build("9.0", force=True, cxx_autograd=False)
     assert built == [("plain", True, ()), ("weighted", True, ()), ("likelihood", True, ())]
+
+
+@pytest.mark.parametrize("cores", [build.SIDE_BY_SIDE_FROM_CORES - 1, 16])
+def test_the_cxx_autograd_counts_in_the_estimates_of_the_builds_beside_it(tmp_path, monkeypatch, cores):
+    """The C++ autograd compiles in a thread beside the first family compiled here; one after
+    the other (few cores) the later families compile after it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_cores", lambda: cores)
+    monkeypatch.setattr(build, "prebuilt", lambda family, capabilities=None: (None, "no wheel"))
+    events: list = []
+    monkeypatch.setattr(build.subprocess, "Popen", lambda command, **kwargs: _FakeChild(events, command, **kwargs))
+    autograd_builds = []
+
+    @contextlib.contextmanager
+    def autograd_compiling(wanted, builds_beside):
+        autograd_builds.append(builds_beside)
+        yield wanted
+
+    monkeypatch.setattr(build, "_cxx_autograd_compiling", autograd_compiling)
+    monkeypatch.setattr(build, "load_cxx_autograd", lambda build_if_missing: False)
+    built = {}
+
+    def build_or_load(family, archs, force=False, why="", beside=()):
+        built[family.name] = tuple(beside)
+        return tmp_path
+
+    monkeypatch.setattr(build, "_build_or_load", build_or_load)
+    build.build("9.0", force=True)
+    if cores < build.SIDE_BY_SIDE_FROM_CORES:
+        assert autograd_builds == [1]
+        assert built == {"plain": (build._CXX_AUTOGRAD,), "weighted": (), "likelihood": ()}
+    else:
+        assert autograd_builds == [3]
+        assert built["plain"] == ("weighted", "likelihood", build._CXX_AUTOGRAD)
 
 
 def test_a_build_estimate_counts_the_builds_that_share_the_cores(monkeypatch):
