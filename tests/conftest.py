@@ -8,6 +8,7 @@ import fcntl
 import gc
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -16,9 +17,28 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss import formulas, functional, losses, routing
+from fusedloss import build, formulas, functional, losses, routing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def cxx_autograd(tmp_path_factory):
+    """The optional C++ autograd (csrc/cxx_autograd.cpp), compiled with the host compiler
+    for this torch where it is not cached; its operators."""
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
+        pytest.skip("no host C++ compiler")
+    if not build.cxx_autograd_loaded():
+        previous = os.environ.get("TORCH_EXTENSIONS_DIR")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("extensions"))
+        try:
+            assert build.load_cxx_autograd(build_if_missing=True), "the C++ autograd did not compile"
+        finally:
+            if previous is None:
+                del os.environ["TORCH_EXTENSIONS_DIR"]
+            else:
+                os.environ["TORCH_EXTENSIONS_DIR"] = previous
+    return torch.ops.fusedloss_cxx
 
 
 @pytest.fixture

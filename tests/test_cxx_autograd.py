@@ -4,9 +4,6 @@ on every device the operators serve, and fusedloss's functions take it for small
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -18,23 +15,6 @@ from conftest import PARAMS, heavy_tailed
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA device"))]
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
-
-
-@pytest.fixture(scope="module")
-def cxx_autograd(tmp_path_factory):
-    if shutil.which(os.environ.get("CXX") or "c++") is None:
-        pytest.skip("no host C++ compiler")
-    if not build.cxx_autograd_loaded():
-        previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("extensions"))
-        try:
-            assert build.load_cxx_autograd(build_if_missing=True), "the C++ autograd did not compile"
-        finally:
-            if previous is None:
-                del os.environ["TORCH_EXTENSIONS_DIR"]
-            else:
-                os.environ["TORCH_EXTENSIONS_DIR"] = previous
-    return torch.ops.fusedloss_cxx
 
 
 @pytest.fixture(autouse=True)
@@ -122,3 +102,59 @@ def test_the_functions_take_it_for_small_steps(cxx_autograd, reduction):
     input = torch.randn(1000, device="cuda", requires_grad=True)
     out = fusedloss.mse_loss(input, torch.randn(1000, device="cuda"), reduction=reduction)
     assert out.grad_fn.name() in ("ReducedLossBackward", "PointwiseLossBackward")
+
+
+def _weighted_steps(device, dtype):
+    """Weighted steps whose forward writes no gradient: a weight (of the loss's size, per
+    row, a mask), a scale (a number, a tensor), a param per element (quantiles, pseudo-Huber's c)."""
+    weight = torch.rand(37, 5, device=device, dtype=dtype) + 0.5
+    scale = torch.tensor(0.5, device=device, dtype=dtype)
+    quantiles = [0.1, 0.3, 0.5, 0.7, 0.9]
+    c = torch.rand(37, 1, device=device, dtype=dtype) + 0.1
+    return {
+        "weight": lambda i, t: fusedloss.mse_loss(i, t, weight=weight),
+        "weight per row, sum": lambda i, t: fusedloss.huber_loss(i, t, reduction="sum", weight=weight[:, :1]),
+        "mask": lambda i, t: fusedloss.l1_loss(i, t, weight=weight > 0.9),
+        "number scale": lambda i, t: fusedloss.log_cosh_loss(i, t, scale=0.25),
+        "tensor scale": lambda i, t: fusedloss.smooth_l1_loss(i, t, scale=scale),
+        "quantiles": lambda i, t: fusedloss.quantile_loss(i, t[:, :1], quantiles),
+        "c per row": lambda i, t: fusedloss.pseudo_huber_loss(i, t, c),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("wanted", [(True, True), (True, False), (False, True)])
+def test_weighted_steps_same_bits_on_both_autograds(cxx_autograd, device, request, monkeypatch, dtype, wanted):
+    """The weighted operator's steps through the C++ autograd's node and through ops.py's
+    autograd: the same values and gradients, bit for bit, for grad_output 1 and 0.37, and a
+    double backward that differentiates the same formulas."""
+    if request.node.callspec.params["device"] == "cpu":
+        pytest.skip("the CPU route runs torch operations; fused-cpu takes the operators")
+    input, target = _operands(device, dtype, (37, 5), wanted)
+    leaves = [t for t in (input, target) if t.requires_grad]
+    for name, step in _weighted_steps(device, dtype).items():
+        results = []
+        for loaded in (True, False):
+            monkeypatch.setattr(build, "cxx_autograd_loaded", lambda loaded=loaded: loaded)
+            out = step(input, target)
+            grads = [g for go in (1.0, 0.37) for g in torch.autograd.grad(
+                out, leaves, torch.tensor(go, device=device, dtype=out.dtype), retain_graph=True)]
+            twice = torch.autograd.grad(out, leaves, create_graph=True)
+            second = [None] * len(leaves)
+            if any(g.requires_grad for g in twice):  # the quantile loss's second derivative is 0
+                second = torch.autograd.grad(sum(g.square().sum() for g in twice if g.requires_grad), leaves,
+                                             allow_unused=True)
+            results.append((out.grad_fn.name(), out.detach(), grads, second))
+        (cxx_node, cxx_out, cxx_grads, cxx_second), (python_node, python_out, python_grads, python_second) = results
+        # where the Python route is the operator's autograd (the others: torch operations on some devices)
+        assert (cxx_node == "WeightedLossBackward") == (python_node == "weighted_lossBackward"), name
+        if name in ("number scale", "quantiles", "c per row") or device == "cuda":
+            assert cxx_node == "WeightedLossBackward", name
+        torch.testing.assert_close(cxx_out, python_out, rtol=0, atol=0, equal_nan=True, msg=name)
+        for got, want in zip(cxx_grads, python_grads):
+            assert got.dtype == want.dtype, name
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+        for got, want in zip(cxx_second, python_second):
+            assert (got is None) == (want is None), name
+            if got is not None:
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)

@@ -377,7 +377,7 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     kernels of its own is PyTorch's, with its bits, for 'none' and below
     FUSED_GRADIENT_FROM_BYTES, and so is one of a loss it composes (L1) below that
     threshold only; other losses, calls without gradients, larger steps, and every call
-    with the C++ autograd take the kernels."""
+    with the C++ autograd (but for a weight or scale that learns) take the kernels."""
     monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)
     calls = []
@@ -455,6 +455,9 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: True)
     for name in ("mse", "l1"):
         assert not routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel())
+        assert not routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel(), True)
+        # a weight or scale that learns: only the Python autograd gives its gradient
+        assert routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel(), True, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

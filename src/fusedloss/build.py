@@ -40,8 +40,9 @@ and the fix and returns False, and ``fusedloss.functional`` falls back to
 ``torch.nn.functional``. ``FUSEDLOSS_REQUIRE_KERNELS=1`` makes that an error.
 
 Beside the kernels, an optional host-only library (``csrc/cxx_autograd.cpp``) gives
-the two paths of a small training step their autograd as C++ graph nodes, which
-saves that step the host time of a Python backward. It uses libtorch's C++ API, so
+the paths of a small training step (a reduction whose forward writes no gradient,
+weighted or not, ``reduction='none'``, the NLLs' fused pass) their autograd as C++
+graph nodes, which saves that step the host time of a Python backward. It uses libtorch's C++ API, so
 it is compiled per torch, with the host C++ compiler (``$CXX``, else ``c++``), never
 nvcc: by ``python -m fusedloss build``, and beside a source build of the kernels. It
 is loaded whenever it is cached for the running torch; without it (a wheel and no
@@ -719,6 +720,8 @@ def load(*families: str) -> dict[str, Path]:
                     if family.name == "plain":
                         # A source build has a compiler at hand; a wheel's user gets it from `build`.
                         load_cxx_autograd(build_if_missing=library is None)
+                    elif family.name == "likelihood":
+                        load_cxx_autograd(build_if_missing=False)  # its node serves the NLL's steps too
                 except KernelsUnavailableError as error:
                     _load_failures[family.name] = error
                     raise

@@ -7,21 +7,23 @@ entries with ``torch.any``, which waits for the GPU; here a negative entry's los
 nothing, PyTorch's ValueError is kept.
 
 On a GPU, in eager mode, with float32, float64 and bfloat16 operands (float16 ones under
-autocast too), both losses (the Poisson loss without ``full``, from operands of
-``POISSON_WRITTEN_OUT_FROM_BYTES``) are autograd functions with their derivatives written
-out. A mean or sum of operands of one dtype and one shape (a var of the input's shape) is
-one fused pass over the operands that also writes their gradients (``FusedLikelihood``);
-other shapes and dtypes, and ``reduction='none'``, take torch operations in about half the
-passes of autograd through PyTorch's formula. Their values and gradients are PyTorch's up
-to rounding (a product and a sum rounded once, not twice). Elsewhere (the CPU, float16
-operands outside autocast, smaller or ``full`` Poisson losses, ``torch.compile``,
-torch.func transforms and forward-mode AD, tensor subclasses) the losses are PyTorch's own
-operations.
+autocast too), both losses (the Poisson loss without ``full``) have their derivatives
+written out. A mean or sum of operands of one dtype and one shape (a var of the input's
+shape) is one fused pass over the operands that also writes their gradients
+(``fused_likelihood``: the C++ autograd's node where it is loaded, else
+``FusedLikelihood``). Other shapes and dtypes, and ``reduction='none'``, take torch
+operations in about half the passes of autograd through PyTorch's formula (the Poisson
+loss from operands of ``POISSON_WRITTEN_OUT_FROM_BYTES``). Their values and gradients are
+PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewhere (the
+CPU, float16 operands outside autocast, smaller Poisson losses that the fused pass does
+not take, ``full`` Poisson losses, ``torch.compile``, torch.func transforms and
+forward-mode AD, tensor subclasses) the losses are PyTorch's own operations.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +39,10 @@ _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 # bfloat16 has float32's range, so the written-out order of operations overflows where
 # PyTorch's does (or, where PyTorch's square overflows, later); float16's does not
 _WRITTEN_OUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# From operands of this many bytes on (both together), the Poisson NLL takes its written-out
-# function. Below, its step is bound by the host, where the Python function costs about what
-# the launches it saves do (docs/reliability.md); the Gaussian one saves more launches, at
-# every size.
+# From operands of this many bytes on (both together), a Poisson NLL that the fused pass does
+# not take has its written-out function. Below, its step is bound by the host, where the
+# Python function costs about what the launches it saves do (docs/reliability.md); the fused
+# pass, one launch each way, and the Gaussian function save more, at every size.
 POISSON_WRITTEN_OUT_FROM_BYTES = routing.FUSED_GRADIENT_FROM_BYTES >> 1
 
 
@@ -56,7 +58,7 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
         input, target, var = computed
         _check_reduction(reduction)
         if plain and reduction != "none" and _fused_applies(input, target, var):
-            return FusedLikelihood.apply(input, target, var, "gaussian", eps, full, reduction)
+            return fused_likelihood(input, target, var, "gaussian", eps, full, reduction)
         if plain:
             return GaussianNll.apply(input, target, var, full, eps, reduction)
         per_element = GaussianNll.apply(input, target, var, full, eps, "none")
@@ -183,6 +185,41 @@ class GaussianNll(torch.autograd.Function):
         return grad_input, grad_target, grad_var, None, None, None
 
 
+def fused_likelihood(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+                     reduction: str) -> Tensor:
+    """The fused pass with its autograd: the C++ autograd's graph node where it is loaded (a
+    small step then runs no Python in its backward), else ``FusedLikelihood``; the same
+    kernels, values and gradients either way."""
+    if build.cxx_autograd_loaded():
+        return torch.ops.fusedloss_cxx.likelihood_loss.default(input, target, var, kind, eps, full, reduction)
+    return FusedLikelihood.apply(input, target, var, kind, eps, full, reduction)
+
+
+def likelihood_gradients(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
+                         eps: float, full: bool, reduction: str,
+                         wanted: Sequence[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The fused losses' gradients of the operands ``wanted`` (None for the others) as
+    PyTorch's formula gives them, through a graph of their own, so that autograd can
+    differentiate them again (``create_graph=True``)."""
+    with torch.enable_grad():
+        if kind == "gaussian":
+            loss = reduced(gaussian_nll_elementwise(input, target, var, full, eps, "none"), reduction)
+        else:
+            loss = F.poisson_nll_loss(input, target, log_input=kind == "poisson", eps=eps, reduction=reduction)
+    grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, var), wanted) if w], grad_output,
+                                     create_graph=True))
+    return tuple(next(grads) if w else None for w in wanted)
+
+
+@torch.library.impl("fusedloss::likelihood_gradients", "CompositeImplicitAutograd")
+def _likelihood_gradients_op(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
+                             eps: float, full: bool, reduction: str,
+                             output_mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    # the C++ autograd's double backward: an operand not wanted gets an empty tensor
+    grads = likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, output_mask)
+    return tuple(input.new_empty((0,)) if g is None else g for g in grads)
+
+
 class FusedLikelihood(torch.autograd.Function):
     """A mean or sum of the Gaussian (``kind='gaussian'``) or Poisson (``'poisson'`` of a log
     rate, ``'poisson_rate'`` of a rate) NLL of CUDA operands of one dtype and one shape, in
@@ -209,14 +246,7 @@ class FusedLikelihood(torch.autograd.Function):
         kind, eps, full, reduction = ctx.arguments
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
-            with torch.enable_grad():
-                if kind == "gaussian":
-                    loss = reduced(gaussian_nll_elementwise(input, target, var, full, eps, "none"), reduction)
-                else:
-                    loss = F.poisson_nll_loss(input, target, log_input=kind == "poisson", eps=eps, reduction=reduction)
-            grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, var), wanted) if w],
-                                             grad_output, create_graph=True))
-            return tuple(next(grads) if w else None for w in wanted) + (None,) * 4
+            return likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, wanted) + (None,) * 4
         grads, ctx.written = ctx.written, None
         with torch._C._AutoDispatchBelowAutograd():
             if grads is None:  # a backward after the first (retain_graph): its own buffers
@@ -277,17 +307,25 @@ class PoissonNll(torch.autograd.Function):
 def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size_average: bool | None, eps: float,
                 reduce: bool | None, reduction: str, weight: Tensor | None, scale: float | Tensor | None, dim: Dims,
                 keepdim: bool) -> Tensor:
+    kind = "poisson" if log_input else "poisson_rate"
     written_out = None
-    if (not full and isinstance(input, Tensor) and isinstance(target, Tensor)
-            # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
-            and 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES):
-        autocast = routing.under_autocast(input, target)
-        # the bytes of the operands as computed (autocast's float32 copies), before making any
-        computed_bytes = sum(t.numel() * (4 if autocast and t.dtype in routing.SIXTEEN_BIT else t.element_size())
-                             for t in (input, target))
-        if computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
-            computed = ops.as_computed(input, target, autocast)
-            written_out = computed if _written_out_applies(*computed) else None
+    if not full and isinstance(input, Tensor) and isinstance(target, Tensor):
+        # the fused pass takes a mean or sum of operands of one shape and dtype at every size
+        fusable = (weight is None and scale is None and dim is None and size_average is None and reduce is None
+                   and reduction in ("mean", "sum") and input.shape == target.shape and input.dtype == target.dtype)
+        # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
+        if fusable or 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES:
+            autocast = routing.under_autocast(input, target)
+            # the bytes of the operands as computed (autocast's float32 copies), before making any
+            computed_bytes = sum(t.numel() * (4 if autocast and t.dtype in routing.SIXTEEN_BIT else t.element_size())
+                                 for t in (input, target))
+            if fusable or computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
+                computed = ops.as_computed(input, target, autocast)
+                if _written_out_applies(*computed):
+                    if fusable and _fused_applies(*computed):
+                        return fused_likelihood(*computed, None, kind, eps, False, reduction)
+                    if computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
+                        written_out = computed
     if weight is None and scale is None and dim is None and written_out is None:
         if (size_average is None and reduce is None and reduction in routing.MODES
                 and not has_torch_function_variadic(input, target)):
@@ -302,9 +340,8 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
     if written_out is not None:
         input, target = written_out
         if weight is None and scale is None and dim is None:
-            if reduction != "none" and _fused_applies(input, target):
-                return FusedLikelihood.apply(input, target, None, "poisson" if log_input else "poisson_rate", eps,
-                                             False, reduction)
+            if reduction != "none" and _fused_applies(input, target):  # legacy arguments' mean or sum
+                return fused_likelihood(input, target, None, kind, eps, False, reduction)
             return PoissonNll.apply(input, target, log_input, eps, reduction)
         per_element = PoissonNll.apply(input, target, log_input, eps, "none")
     else:

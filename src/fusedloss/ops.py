@@ -67,7 +67,9 @@ broadcast shape and autograd sums them to each operand's own shape.
   mean or sum, of operands of one dtype and shape, in one pass that also writes the
   gradients ``output_mask`` asks for (input, target, var) for a grad_output of 1;
   ``likelihood_loss_backward_`` recomputes them in place where grad_output is another
-  (decided on the GPU). CUDA only: their autograd is ``likelihood.FusedLikelihood``.
+  (decided on the GPU). CUDA only: their autograd is ``likelihood.FusedLikelihood``
+  (or the C++ autograd's node). ``likelihood_gradients``: their gradients as PyTorch's
+  formula gives them, which autograd can differentiate again (``create_graph=True``).
 
 With ``autocast``, the losses compute what CUDA autocast computes: 16-bit
 operands as float32 (these losses are on its float32 list), a float32 loss,
@@ -150,6 +152,10 @@ _lib.define(
 _lib.define(
     "likelihood_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_var, "
     "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, str reduction) -> ()"
+)
+_lib.define(
+    "likelihood_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, "
+    "bool full, str reduction, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
 )
 
 

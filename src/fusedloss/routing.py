@@ -19,6 +19,7 @@ from .losses import LOSSES, Loss
 _reduced_loss_op = torch.ops.fusedloss.reduced_loss.default
 _pointwise_loss_op = torch.ops.fusedloss.pointwise_loss.default
 _per_sample_loss_op = torch.ops.fusedloss.per_sample_loss.default
+_weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
 
 
 def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Tensor | None, ...], *args):
@@ -31,6 +32,23 @@ def apply(function: type[torch.autograd.Function], op, differentiable: tuple[Ten
     at = function.history_slot_at
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args) if at is None else op(*args[:at], *args[at + 1:])
+
+
+def apply_weighted(input: Tensor, target: Tensor, weight: Tensor | None, scale: Tensor | None,
+                   divisor: Tensor | None, host_scale: float, loss: str, param: float, output_mask: list[bool],
+                   slot: int, expected: float, autocast: bool, kept_dims: int, param_per_element: bool) -> Tensor:
+    """The weighted operator's loss with its autograd: where its forward writes no gradient
+    and only input and target want one, the C++ autograd's node if it is loaded (a small
+    step then runs no Python in its backward); else ops.py's, as ``apply`` gives it."""
+    if (not any(output_mask) and torch.is_grad_enabled() and (input.requires_grad or target.requires_grad)
+            and build.cxx_autograd_loaded()
+            and not any(t is not None and t.requires_grad for t in (weight, scale, divisor))):
+        return torch.ops.fusedloss_cxx.weighted_loss.default(input, target, weight, scale, divisor, host_scale, loss,
+                                                             param, slot, expected, autocast, kept_dims,
+                                                             param_per_element)
+    return apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight, scale,
+                 divisor, host_scale, loss, param, output_mask, slot, expected, autocast, kept_dims,
+                 param_per_element)[0]
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -65,18 +83,19 @@ def forward_writes_gradients(input: Tensor, target: Tensor, numel: int, weighted
 
 
 def pytorch_serves_the_step(row: Loss, mode: str, input: Tensor, target: Tensor, numel: int,
-                            weighted: bool = False) -> bool:
+                            weighted: bool = False, learned: bool = False) -> bool:
     """Whether a step (the loss of `numel` elements, wanting gradients) is PyTorch's own:
     its loss, and for a `weighted` step (weight= or scale=) torch operations for the weight
     and scale, each behind a C++ autograd node. Where the fused step's forward writes no
     gradient (below FUSED_GRADIENT_FROM_BYTES, a quarter of it weighted), the step is bound
     by host time, and those nodes cost less of it than fusedloss's Python autograd; the C++
-    autograd serves the unweighted such steps where it is built. There a loss PyTorch
+    autograd serves such steps where it is built, but for a weight or scale that is
+    `learned` (wants a gradient), which only the Python autograd gives. There a loss PyTorch
     computes with its own forward and backward kernels moves no fewer bytes than the fused
     step (also for reduction='none', at every size); a loss it composes from several
     operations, or a weighted one, moves more, which only the steps bound by host time do
     not feel."""
-    if not row.pytorch_serves_steps or (build.cxx_autograd_loaded() and not weighted):
+    if not row.pytorch_serves_steps or (build.cxx_autograd_loaded() and not learned):
         return False
     if row.pytorch_kernels and not weighted:
         return mode == "none" or not forward_writes_gradients(input, target, numel)

@@ -14,7 +14,6 @@ from torch.nn import _reduction
 from . import build, formulas, grad_output_prediction, ops, reductions, routing
 from .losses import LOSSES, Loss
 
-_weighted_loss_op = torch.ops.fusedloss.weighted_loss.default
 _NO_WEIGHTED_GRADIENTS = [False, False, False]
 
 
@@ -72,9 +71,10 @@ def weighted_loss(
         raise ValueError(f"Invalid reduction mode: {reduction}. Expected one of 'none', 'mean', 'sum'.")
     wants_gradients = torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in (input, target, weight, scale))
+    learned = wants_gradients and (_needs_grad(weight) or _needs_grad(scale))
     if (fusable and reduction != "none" and routing.kernels_apply(input, target) and not (
             wants_gradients and routing.pytorch_serves_the_step(LOSSES[loss], reduction, input, target,
-                                                                shape.numel(), True))):
+                                                                shape.numel(), True, learned))):
         autocast = routing.under_autocast(input, target)
         loss_dtype = torch.float32 if autocast else formulas.loss_dtype(input.dtype, target.dtype, loss)
         if _fused_weighted_applies(input, target, weight, scale, loss_dtype):
@@ -136,9 +136,8 @@ def _fused_weighted_loss(
         output_mask = [*operands, weight_gradient]
     if kept_dims >= 0 and _needs_grad(weight):
         output_mask = [output_mask[0], output_mask[1], True]  # the forward's sums per row
-    return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target, weight, divisor), input, target, weight,
-                         device_scale, divisor, host_scale, loss, param, output_mask, slot, expected, float32_math,
-                         kept_dims, False)[0]
+    return routing.apply_weighted(input, target, weight, device_scale, divisor, host_scale, loss, param, output_mask,
+                                  slot, expected, float32_math, kept_dims, False)
 
 
 def _forward_gradients(loss: str, param: float, reduction: str, input: Tensor, target: Tensor,
@@ -188,9 +187,8 @@ def fused_param_tensor_loss(loss: str, input: Tensor, target: Tensor, param: Ten
     operands, slot, expected = _forward_gradients(loss, -1.0, reduction, input, target, param, numel)
     output_mask = _NO_WEIGHTED_GRADIENTS if operands is None else [*operands, False]
     # the number param is unused; its default passes the operator's check of it
-    return routing.apply(ops.WeightedLoss, _weighted_loss_op, (input, target), input, target, param, device_scale,
-                         None, host_scale, loss, LOSSES[loss].param_default, output_mask, slot, expected, autocast, -1,
-                         True)[0]
+    return routing.apply_weighted(input, target, param, device_scale, None, host_scale, loss,
+                                  LOSSES[loss].param_default, output_mask, slot, expected, autocast, -1, True)
 
 
 def _torch_weighted(row: Loss) -> Callable[..., Tensor] | None:

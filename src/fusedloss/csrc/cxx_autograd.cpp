@@ -1,10 +1,11 @@
-// An optional host-only accelerator: the autograd of the two drop-in paths that a
-// small training step takes (a loss reduced without gradients in its forward, and
-// reduction='none'), as C++ graph nodes, so that such a step runs no Python in its
-// backward. It is compiled per torch with the host C++ compiler (build.py,
+// An optional host-only accelerator: the autograd of the paths that a small training
+// step takes (a loss reduced without gradients in its forward, weighted or not,
+// reduction='none', and the Gaussian and Poisson NLL's fused pass), as C++ graph nodes, so that such a step
+// runs no Python in its backward. It is compiled per torch with the host C++ compiler (build.py,
 // "cxx_autograd"); without it ops.py's autograd.Functions do the same work.
 // It calls the fusedloss:: operators below autograd and, for create_graph=True,
-// the differentiable fusedloss::loss_gradients, exactly as ops.py's backward does.
+// the differentiable fusedloss::loss_gradients, weighted_loss_gradients and
+// likelihood_gradients, exactly as ops.py's and likelihood.py's backward do.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -14,6 +15,7 @@
 #include <array>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -38,6 +40,24 @@ using ReducedBackward = Tensors2(const at::Tensor&, const at::Tensor&, const at:
 using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, double, bool);
 using PointwiseBackward = Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
                                    std::array<bool, 2>, bool);
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using OptionalTensor = std::optional<at::Tensor>;
+using Likelihood = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view, double, bool,
+                            c10::string_view, std::array<bool, 3>);
+using LikelihoodBackwardInPlace = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view,
+                                       double, c10::string_view);
+using LikelihoodGradients = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                     c10::string_view, double, bool, c10::string_view, std::array<bool, 3>);
+using Weighted = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                          const OptionalTensor&, double, c10::string_view, double, std::array<bool, 3>, double, bool,
+                          int64_t, bool);
+using WeightedBackward = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                  const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
+                                  std::array<bool, 3>, int64_t, double, bool, bool);
+using WeightedGradients = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                   const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double, bool,
+                                   bool);
 using LossGradients = Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
                                c10::string_view, bool);
 
@@ -66,35 +86,37 @@ auto make_node() {
   }
 }
 
-void check_no_tangents(const at::Tensor& input, const at::Tensor& target, const char* op) {
-  TORCH_CHECK(!torch::autograd::isFwGradDefined(input) && !torch::autograd::isFwGradDefined(target),
+void check_no_tangents(const at::Tensor& input, const at::Tensor& target, const char* op,
+                       const at::Tensor& var = at::Tensor()) {
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(input) && !torch::autograd::isFwGradDefined(target) &&
+                  !torch::autograd::isFwGradDefined(var),
               "fusedloss_cxx::", op, " has no forward-mode AD rule; fusedloss's loss functions compute dual "
               "tensors through torch.nn.functional");
 }
 
-struct LossBackward : Node {
+// A node whose edges go to input and target: the gradients a subclass computes, summed
+// to each operand's shape.
+struct OperandsBackward : Node {
   SavedVariable input_, target_;
-  std::string loss_;
-  std::string reduction_ = "none";
-  double param_ = 0.0;
-  bool autocast_ = false;
 
-  void save(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
-            c10::string_view reduction, bool autocast) {
+  void save_operands(const at::Tensor& input, const at::Tensor& target) {
     set_next_edges(torch::autograd::collect_next_edges(input, target));
     input_ = SavedVariable(input, false);
     target_ = SavedVariable(target, false);
-    loss_ = std::string(loss);
-    reduction_ = std::string(reduction);
-    param_ = param;
-    autocast_ = autocast;
   }
 
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
     input_.reset_data();
     target_.reset_data();
+    release_constants();
   }
+
+  virtual void release_constants() {}
+
+  // create_graph=True: gradients that autograd can differentiate again.
+  virtual Tensors2 differentiable_gradients(const at::Tensor& grad, const at::Tensor& input,
+                                            const at::Tensor& target) = 0;
 
   // The kernels' gradients of (grad, input, target) for the operands wanted.
   virtual Tensors2 gradients(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
@@ -109,7 +131,7 @@ struct LossBackward : Node {
     const std::array<bool, 2> wanted = {task_should_compute_output(0), task_should_compute_output(1)};
     at::Tensor grad_input, grad_target;
     if (at::GradMode::is_enabled()) {
-      std::tie(grad_input, grad_target) = loss_gradients(grad, input, target, loss_, param_, reduction_, autocast_);
+      std::tie(grad_input, grad_target) = differentiable_gradients(grad, input, target);
     } else {
       // The backward operators have no autograd kernel of their own.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -117,6 +139,27 @@ struct LossBackward : Node {
     }
     return {wanted[0] ? summed_to(grad_input, input) : at::Tensor(),
             wanted[1] ? summed_to(grad_target, target) : at::Tensor()};
+  }
+};
+
+struct LossBackward : OperandsBackward {
+  std::string loss_;
+  std::string reduction_ = "none";
+  double param_ = 0.0;
+  bool autocast_ = false;
+
+  void save(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
+            c10::string_view reduction, bool autocast) {
+    save_operands(input, target);
+    loss_ = std::string(loss);
+    reduction_ = std::string(reduction);
+    param_ = param;
+    autocast_ = autocast;
+  }
+
+  Tensors2 differentiable_gradients(const at::Tensor& grad, const at::Tensor& input,
+                                    const at::Tensor& target) override {
+    return loss_gradients(grad, input, target, loss_, param_, reduction_, autocast_);
   }
 };
 
@@ -187,6 +230,170 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
   return with_history<PointwiseLossBackward>(std::move(out), input, target, loss, param, "none", autocast);
 }
 
+// The Gaussian and Poisson NLL's fused pass (likelihood.py's FusedLikelihood): the
+// forward's gradients, written for a grad_output of 1, handed on by the first backward
+// and corrected in place on the GPU where grad_output is another; a later backward
+// (retain_graph) computes its own.
+struct LikelihoodBackward : Node {
+  SavedVariable input_, target_, var_;
+  bool has_var_ = false;
+  std::string kind_, reduction_;
+  double eps_ = 0.0;
+  bool full_ = false;
+  std::array<bool, 3> forward_mask_ = {false, false, false};
+  std::array<at::Tensor, 3> written_;
+  bool has_written_ = false;
+
+  std::string name() const override { return "LikelihoodBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    input_.reset_data();
+    target_.reset_data();
+    var_.reset_data();
+    written_ = {};
+    has_written_ = false;
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor input = input_.unpack();
+    const at::Tensor target = target_.unpack();
+    const OptionalTensor var = has_var_ ? OptionalTensor(var_.unpack()) : std::nullopt;
+    const std::array<bool, 3> wanted = {task_should_compute_output(0), task_should_compute_output(1),
+                                        has_var_ && task_should_compute_output(2)};
+    std::array<at::Tensor, 3> out;
+    if (at::GradMode::is_enabled()) {  // create_graph: PyTorch's formula, differentiable again
+      static const auto op = find_op<LikelihoodGradients>("fusedloss::likelihood_gradients");
+      std::tie(out[0], out[1], out[2]) = op.call(grad, input, target, var, kind_, eps_, full_, reduction_, wanted);
+    } else {
+      static const auto forward = find_op<Likelihood>("fusedloss::likelihood_loss");
+      static const auto correct = find_op<LikelihoodBackwardInPlace>("fusedloss::likelihood_loss_backward_");
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      if (has_written_) {
+        out = std::move(written_);
+        written_ = {};
+        has_written_ = false;
+      } else {
+        std::tie(std::ignore, out[0], out[1], out[2]) =
+            forward.call(input, target, var, kind_, eps_, full_, reduction_, forward_mask_);
+      }
+      correct.call(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, reduction_);
+    }
+    return {wanted[0] ? out[0] : at::Tensor(), wanted[1] ? out[1] : at::Tensor(),
+            wanted[2] ? out[2] : at::Tensor()};
+  }
+};
+
+at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& var,
+                           c10::string_view kind, double eps, bool full, c10::string_view reduction) {
+  const at::Tensor no_var;
+  const at::Tensor& var_or_none = var.has_value() ? *var : no_var;
+  check_no_tangents(input, target, "likelihood_loss", var_or_none);
+  static const auto op = find_op<Likelihood>("fusedloss::likelihood_loss");
+  const bool grad_mode = at::GradMode::is_enabled();
+  const std::array<bool, 3> mask = {grad_mode && input.requires_grad(), grad_mode && target.requires_grad(),
+                                    grad_mode && var_or_none.defined() && var_or_none.requires_grad()};
+  Tensors4 result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    result = op.call(input, target, var, kind, eps, full, reduction, mask);
+  }
+  at::Tensor out = std::get<0>(result);
+  if (mask[0] || mask[1] || mask[2]) {
+    auto node = make_node<LikelihoodBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(input, target, var_or_none));
+    node->input_ = SavedVariable(input, false);
+    node->target_ = SavedVariable(target, false);
+    node->has_var_ = var_or_none.defined();
+    if (node->has_var_) node->var_ = SavedVariable(var_or_none, false);
+    node->kind_ = std::string(kind);
+    node->reduction_ = std::string(reduction);
+    node->eps_ = eps;
+    node->full_ = full;
+    node->forward_mask_ = mask;
+    node->written_ = {std::get<1>(result), std::get<2>(result), std::get<3>(result)};
+    node->has_written_ = true;
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+// A weighted reduction (weight=, scale=, a param per element) whose forward wrote no
+// gradient, where only input and target take gradients: ops.py's _weighted_backward
+// for that case. The weight, scale and divisor are constants of the graph.
+struct WeightedLossBackward : OperandsBackward {
+  OptionalTensor weight_, scale_, divisor_;
+  double host_scale_ = 1.0, param_ = 0.0, expected_grad_output_ = 1.0;
+  std::string loss_;
+  int64_t history_slot_ = -1;
+  bool autocast_ = false, param_per_element_ = false;
+
+  std::string name() const override { return "WeightedLossBackward"; }
+
+  void release_constants() override {
+    weight_.reset();
+    scale_.reset();
+    divisor_.reset();
+  }
+
+  Tensors2 differentiable_gradients(const at::Tensor& grad, const at::Tensor& input,
+                                    const at::Tensor& target) override {
+    static const auto op = find_op<WeightedGradients>("fusedloss::weighted_loss_gradients");
+    at::Tensor grad_input, grad_target;
+    std::tie(grad_input, grad_target, std::ignore) = op.call(grad, input, target, weight_, scale_, divisor_,
+                                                             host_scale_, loss_, param_, autocast_, param_per_element_);
+    return {grad_input, grad_target};
+  }
+
+  Tensors2 gradients(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
+                     std::array<bool, 2> wanted) override {
+    static const auto op = find_op<WeightedBackward>("fusedloss::weighted_loss_backward");
+    at::Tensor grad_input, grad_target;
+    std::tie(grad_input, grad_target, std::ignore) =
+        op.call(grad, input, target, weight_, scale_, divisor_, host_scale_, loss_, param_,
+                {wanted[0], wanted[1], false}, history_slot_, expected_grad_output_, autocast_, param_per_element_);
+    return {grad_input, grad_target};
+  }
+};
+
+bool requires_grad(const OptionalTensor& t) { return t.has_value() && t->defined() && t->requires_grad(); }
+
+at::Tensor weighted_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
+                         const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
+                         c10::string_view loss, double param, int64_t history_slot, double expected_grad_output,
+                         bool autocast, int64_t weight_kept_dims, bool param_per_element) {
+  check_no_tangents(input, target, "weighted_loss");
+  TORCH_CHECK(!requires_grad(weight) && !requires_grad(scale) && !requires_grad(divisor),
+              "fusedloss_cxx::weighted_loss gives no gradient to weight, scale or divisor; fusedloss's loss "
+              "functions take ops.py's autograd for those");
+  static const auto op = find_op<Weighted>("fusedloss::weighted_loss");
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = std::get<0>(op.call(input, target, weight, scale, divisor, host_scale, loss, param, {false, false, false},
+                              expected_grad_output, autocast, weight_kept_dims, param_per_element));
+  }
+  if (at::GradMode::is_enabled() && (input.requires_grad() || target.requires_grad())) {
+    auto node = make_node<WeightedLossBackward>();
+    node->save_operands(input, target);
+    node->weight_ = weight;
+    node->scale_ = scale;
+    node->divisor_ = divisor;
+    node->host_scale_ = host_scale;
+    node->loss_ = std::string(loss);
+    node->param_ = param;
+    node->history_slot_ = history_slot;
+    node->expected_grad_output_ = expected_grad_output;
+    node->autocast_ = autocast;
+    node->param_per_element_ = param_per_element;
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
 }  // namespace
 
 // Registered as composites: they make their own graph nodes, for any device the
@@ -196,4 +403,11 @@ TORCH_LIBRARY(fusedloss_cxx, m) {
         &reduced_loss);
   m.def("pointwise_loss(Tensor input, Tensor target, str loss, float param, bool autocast) -> Tensor",
         &pointwise_loss);
+  m.def("weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, "
+        "float host_scale, str loss, float param, int history_slot, float expected_grad_output, bool autocast, "
+        "int weight_kept_dims, bool param_per_element) -> Tensor",
+        &weighted_loss);
+  m.def("likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction) "
+        "-> Tensor",
+        &likelihood_loss);
 }
