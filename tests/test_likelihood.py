@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import TOLERANCE, heavy_tailed, requires_cuda
 
 import fusedloss
-from fusedloss import build, likelihood
+from fusedloss import build, grad_output_prediction, likelihood, routing
 
 SHAPE = (4, 5, 6)
 VAR_SHAPES = {"same": SHAPE, "homoscedastic": SHAPE[:-1], "one-column": (4, 5, 1), "one-middle": (4, 1, 6)}
@@ -512,8 +512,9 @@ def _fused(name, input, target, var, reduction, full=False, autograd="python"):
     """The fused pass with one of its autograds, as the GPU's eager route applies it (which
     loads its kernels): ``FusedLikelihood`` ("python") or the C++ autograd's node ("cxx")."""
     build.load("likelihood")
+    # no history slot, a grad_output of 1 expected, the gradients written in the forward
     args = (input, target, var if name == "gaussian" else None, _KINDS[name], 1e-6 if name == "gaussian" else 1e-8,
-            full, reduction)
+            full, reduction, -1, 1.0, True)
     if autograd == "cxx":
         return torch.ops.fusedloss_cxx.likelihood_loss.default(*args)
     return likelihood.FusedLikelihood.apply(*args)
@@ -624,3 +625,48 @@ def test_cuda_both_autograds_give_the_same_bits(cxx_autograd, name, dtype, grad_
     else:
         out = fusedloss.poisson_nll_loss(*leaves, log_input=name == "poisson")
     assert out.grad_fn.name() == "LikelihoodBackward"
+
+
+@requires_cuda
+@pytest.mark.parametrize("grad_scale", [0.37, 65536.0])
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
+def test_cuda_fused_forward_predicts_grad_output(name, grad_scale, autograd, monkeypatch):
+    """From FUSED_GRADIENT_FROM_BYTES of operands, the fused forward writes the gradients for
+    the grad_output the last backward of the same loss noted (a loss scale then costs no
+    second pass): predicted, corrected for another, computed in backward after a
+    misprediction, and below that size, with the same bits; each backward notes what it saw."""
+    build.load("likelihood")
+    monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: autograd == "cxx")
+    input, target, var = _likelihood_operands(name, (257, 389), (torch.float32,) * 3, "cuda")
+    kind, eps = _KINDS[name], 1e-6 if name == "gaussian" else 1e-8
+    operands = [t for t in (input, target, var) if t is not None]
+    history = grad_output_prediction._history_table("likelihood")
+    routes = {"predicted": (0, grad_scale, False), "corrected": (0, grad_scale * 3 + 1, False),
+              "after a misprediction": (0, grad_scale, True), "below": (1 << 62, None, False)}
+    results = {}
+    out = None
+    for route, (threshold, noted, mispredicted) in routes.items():
+        monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", threshold)
+        out = None  # the last route's graph and operands freed before counting this one's memory
+        leaves = [t.detach().clone().requires_grad_() for t in operands]
+        slot = grad_output_prediction.history_slot(kind, eps, "mean", *leaves[:2], *leaves[2:], family="likelihood")
+        if noted is not None:
+            torch.cuda.synchronize()
+            history[2 * slot], history[2 * slot + 1] = noted, float(mispredicted)
+        before = torch.cuda.memory_allocated()
+        if name == "gaussian":
+            out = fusedloss.gaussian_nll_loss(*leaves)
+        else:
+            out = fusedloss.poisson_nll_loss(*leaves, log_input=name == "poisson")
+        # a forward that writes the gradients holds them
+        held = torch.cuda.memory_allocated() - before
+        assert (held >= input.numel() * 4) == (route != "after a misprediction"), route
+        grads = torch.autograd.grad(out, leaves, torch.tensor(grad_scale, device="cuda"))
+        results[route] = (out.detach(), *grads)
+        if noted is not None:
+            torch.cuda.synchronize()
+            assert history[2 * slot] == torch.tensor(grad_scale, dtype=torch.float32).item(), route
+            assert history[2 * slot + 1] == float(route == "corrected"), route
+    for route, result in results.items():
+        for got, want in zip(result, results["below"]):
+            _same_bits(got, want)

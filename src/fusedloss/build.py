@@ -117,7 +117,8 @@ FAMILIES = {
         ("weighted_loss", "weighted_loss_backward", "weighted_loss_backward_", "pointwise_loss_backward_broadcast"),
     ),
     "likelihood": Family(
-        "likelihood", "likelihood_ops.cpp", ("likelihood_loss.cu",), ("likelihood_loss", "likelihood_loss_backward_"),
+        "likelihood", "likelihood_ops.cpp", ("likelihood_loss.cu",),
+        ("likelihood_loss", "likelihood_loss_backward", "likelihood_loss_backward_"),
     ),
 }
 OPS = tuple(op for family in FAMILIES.values() for op in family.ops)

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 # Each family of kernels (build.FAMILIES) keeps its own notes, read through its own operator.
-_NOTES_OPS = {"plain": "grad_output_history", "weighted": "weighted_grad_output_history"}
+_NOTES_OPS = {"plain": "grad_output_history", "weighted": "weighted_grad_output_history",
+              "likelihood": "likelihood_grad_output_history"}
 _history: dict[str, ctypes.Array] = {}
 
 

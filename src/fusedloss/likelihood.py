@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn import _reduction
 from torch.overrides import has_torch_function_variadic
 
-from . import build, ops, reductions, routing
+from . import build, grad_output_prediction, ops, reductions, routing
 from .losses import reduced
 from .reductions import Dims
 
@@ -189,10 +189,21 @@ def fused_likelihood(input: Tensor, target: Tensor, var: Tensor | None, kind: st
                      reduction: str) -> Tensor:
     """The fused pass with its autograd: the C++ autograd's graph node where it is loaded (a
     small step then runs no Python in its backward), else ``FusedLikelihood``; the same
-    kernels, values and gradients either way."""
+    kernels, values and gradients either way. From ``routing.FUSED_GRADIENT_FROM_BYTES`` of
+    operands, the forward writes the gradients for the grad_output the last backward of the
+    same loss brought (``grad_output_prediction``: a loss scale costs no second pass), and
+    after a misprediction none; below, for a grad_output of 1."""
+    slot, expected, writes = -1, 1.0, True
+    if (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad
+                                     or (var is not None and var.requires_grad))
+            and input.numel() * input.element_size() * (2 if var is None else 3) >= routing.FUSED_GRADIENT_FROM_BYTES):
+        slot, expected, mispredicted = grad_output_prediction.predict(kind, eps, reduction, input, target, var,
+                                                                      family="likelihood")
+        writes = not mispredicted
     if build.cxx_autograd_loaded():
-        return torch.ops.fusedloss_cxx.likelihood_loss.default(input, target, var, kind, eps, full, reduction)
-    return FusedLikelihood.apply(input, target, var, kind, eps, full, reduction)
+        return torch.ops.fusedloss_cxx.likelihood_loss.default(input, target, var, kind, eps, full, reduction, slot,
+                                                               expected, writes)
+    return FusedLikelihood.apply(input, target, var, kind, eps, full, reduction, slot, expected, writes)
 
 
 def likelihood_gradients(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
@@ -224,37 +235,41 @@ class FusedLikelihood(torch.autograd.Function):
     """A mean or sum of the Gaussian (``kind='gaussian'``) or Poisson (``'poisson'`` of a log
     rate, ``'poisson_rate'`` of a rate) NLL of CUDA operands of one dtype and one shape, in
     one fused pass (``fusedloss::likelihood_loss``) that also writes the gradients autograd
-    will want, for a grad_output of 1; backward hands them on, recomputed in place on the
-    GPU where grad_output is another. Values and gradients are PyTorch's formulas computed
-    in float32 (float64 for float64 operands), each rounded once. A double backward
-    differentiates PyTorch's formula."""
+    will want (where ``writes``), for the grad_output ``expected``; backward hands them on,
+    recomputed in place on the GPU where grad_output is another, or computes them, and notes
+    grad_output in the history ``slot`` (-1: nowhere). Values and gradients are PyTorch's
+    formulas computed in float32 (float64 for float64 operands), each rounded once. A double
+    backward differentiates PyTorch's formula."""
 
     @staticmethod
     def forward(ctx, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
-                reduction: str) -> Tensor:
+                reduction: str, slot: int, expected: float, writes: bool) -> Tensor:
         wanted = [bool(w) for w in ctx.needs_input_grad[:3]]
         with torch._C._AutoDispatchBelowAutograd():
-            out, *grads = torch.ops.fusedloss.likelihood_loss(input, target, var, kind, eps, full, reduction, wanted)
+            out, *grads = torch.ops.fusedloss.likelihood_loss(input, target, var, kind, eps, full, reduction,
+                                                              wanted if writes else [False] * 3, expected)
         ctx.save_for_backward(input, target, var)
-        ctx.arguments = (kind, eps, full, reduction)
-        ctx.written = grads  # handed on by the first backward; a second recomputes its own
+        ctx.arguments = (kind, eps, full, reduction, slot, expected)
+        ctx.written = grads if writes else None  # handed on by the first backward; a later one computes its own
         return out
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         input, target, var = ctx.saved_tensors
-        kind, eps, full, reduction = ctx.arguments
+        kind, eps, full, reduction, slot, expected = ctx.arguments
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
-            return likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, wanted) + (None,) * 4
+            return likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, wanted) + (None,) * 7
         grads, ctx.written = ctx.written, None
         with torch._C._AutoDispatchBelowAutograd():
-            if grads is None:  # a backward after the first (retain_graph): its own buffers
-                _, *grads = torch.ops.fusedloss.likelihood_loss(input, target, var, kind, eps, full, reduction,
-                                                                [bool(w) for w in wanted])
-            torch.ops.fusedloss.likelihood_loss_backward_(*grads, grad_output, input, target, var, kind, eps,
-                                                          reduction)
-        return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 4
+            if grads is None:
+                grads = torch.ops.fusedloss.likelihood_loss_backward(grad_output, input, target, var, kind, eps,
+                                                                     reduction, [bool(w) for w in wanted], slot,
+                                                                     expected)
+            else:
+                torch.ops.fusedloss.likelihood_loss_backward_(*grads, grad_output, input, target, var, kind, eps,
+                                                              reduction, expected, slot)
+        return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 7
 
 
 class PoissonNll(torch.autograd.Function):

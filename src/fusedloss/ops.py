@@ -65,9 +65,10 @@ broadcast shape and autograd sums them to each operand's own shape.
 - ``likelihood_loss``: the Gaussian (``kind='gaussian'``, with ``var``) or Poisson
   (``'poisson'`` of a log rate, ``'poisson_rate'`` of a rate) negative log-likelihood's
   mean or sum, of operands of one dtype and shape, in one pass that also writes the
-  gradients ``output_mask`` asks for (input, target, var) for a grad_output of 1;
+  gradients ``output_mask`` asks for (input, target, var) for ``expected_grad_output``;
   ``likelihood_loss_backward_`` recomputes them in place where grad_output is another
-  (decided on the GPU). CUDA only: their autograd is ``likelihood.FusedLikelihood``
+  (decided on the GPU), ``likelihood_loss_backward`` computes them where the forward
+  wrote none; both note grad_output in ``likelihood_grad_output_history``. CUDA only: their autograd is ``likelihood.FusedLikelihood``
   (or the C++ autograd's node). ``likelihood_gradients``: their gradients as PyTorch's
   formula gives them, which autograd can differentiate again (``create_graph=True``).
 
@@ -147,12 +148,19 @@ _lib.define("grad_output_history() -> Tensor")
 _lib.define("weighted_grad_output_history() -> Tensor")
 _lib.define(
     "likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
-    "bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)"
+    "bool[3] output_mask, float expected_grad_output=1.0) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "likelihood_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, "
+    "str reduction, bool[3] output_mask, int history_slot=-1, float expected_grad_output=1.0) "
+    "-> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "likelihood_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_var, "
-    "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, str reduction) -> ()"
+    "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, str reduction, "
+    "float expected_grad_output=1.0, int history_slot=-1) -> ()"
 )
+_lib.define("likelihood_grad_output_history() -> Tensor")
 _lib.define(
     "likelihood_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, "
     "bool full, str reduction, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
@@ -318,16 +326,26 @@ def _weighted_loss_backward_in_place_fake(
 @torch.library.register_fake("fusedloss::likelihood_loss")
 def _likelihood_loss_fake(
     input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool, reduction: str,
-    output_mask: Sequence[bool],
+    output_mask: Sequence[bool], expected_grad_output: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "likelihood")
     return input.new_empty(()), *(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)
 
 
+@torch.library.register_fake("fusedloss::likelihood_loss_backward")
+def _likelihood_loss_backward_fake(
+    grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, reduction: str,
+    output_mask: Sequence[bool], history_slot: int = -1, expected_grad_output: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _load_kernels_for(input.device, "likelihood")
+    return tuple(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)
+
+
 @torch.library.register_fake("fusedloss::likelihood_loss_backward_")
 def _likelihood_loss_backward_in_place_fake(
     grad_input: Tensor, grad_target: Tensor, grad_var: Tensor, grad_output: Tensor, input: Tensor, target: Tensor,
-    var: Tensor | None, kind: str, eps: float, reduction: str,
+    var: Tensor | None, kind: str, eps: float, reduction: str, expected_grad_output: float = 1.0,
+    history_slot: int = -1,
 ) -> None:
     _load_kernels_for(input.device, "likelihood")
 

@@ -43,10 +43,12 @@ using PointwiseBackward = Tensors2(const at::Tensor&, const at::Tensor&, const a
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using OptionalTensor = std::optional<at::Tensor>;
 using Likelihood = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view, double, bool,
-                            c10::string_view, std::array<bool, 3>);
+                            c10::string_view, std::array<bool, 3>, double);
+using LikelihoodBackward = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                    c10::string_view, double, c10::string_view, std::array<bool, 3>, int64_t, double);
 using LikelihoodBackwardInPlace = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view,
-                                       double, c10::string_view);
+                                       double, c10::string_view, double, int64_t);
 using LikelihoodGradients = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                                      c10::string_view, double, bool, c10::string_view, std::array<bool, 3>);
 using Weighted = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
@@ -231,10 +233,10 @@ at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10
 }
 
 // The Gaussian and Poisson NLL's fused pass (likelihood.py's FusedLikelihood): the
-// forward's gradients, written for a grad_output of 1, handed on by the first backward
-// and corrected in place on the GPU where grad_output is another; a later backward
-// (retain_graph) computes its own.
-struct LikelihoodBackward : Node {
+// forward's gradients, written for the grad_output expected, handed on by the first
+// backward and corrected in place on the GPU where grad_output is another; where the
+// forward wrote none, and in a later backward (retain_graph), computed.
+struct LikelihoodLossBackward : Node {
   SavedVariable input_, target_, var_;
   bool has_var_ = false;
   std::string kind_, reduction_;
@@ -243,6 +245,8 @@ struct LikelihoodBackward : Node {
   std::array<bool, 3> forward_mask_ = {false, false, false};
   std::array<at::Tensor, 3> written_;
   bool has_written_ = false;
+  int64_t history_slot_ = -1;
+  double expected_grad_output_ = 1.0;
 
   std::string name() const override { return "LikelihoodBackward"; }
 
@@ -269,18 +273,19 @@ struct LikelihoodBackward : Node {
       static const auto op = find_op<LikelihoodGradients>("fusedloss::likelihood_gradients");
       std::tie(out[0], out[1], out[2]) = op.call(grad, input, target, var, kind_, eps_, full_, reduction_, wanted);
     } else {
-      static const auto forward = find_op<Likelihood>("fusedloss::likelihood_loss");
+      static const auto compute = find_op<LikelihoodBackward>("fusedloss::likelihood_loss_backward");
       static const auto correct = find_op<LikelihoodBackwardInPlace>("fusedloss::likelihood_loss_backward_");
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (has_written_) {
         out = std::move(written_);
         written_ = {};
         has_written_ = false;
+        correct.call(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, reduction_, expected_grad_output_,
+                     history_slot_);
       } else {
-        std::tie(std::ignore, out[0], out[1], out[2]) =
-            forward.call(input, target, var, kind_, eps_, full_, reduction_, forward_mask_);
+        std::tie(out[0], out[1], out[2]) = compute.call(grad, input, target, var, kind_, eps_, reduction_,
+                                                        forward_mask_, history_slot_, expected_grad_output_);
       }
-      correct.call(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, reduction_);
     }
     return {wanted[0] ? out[0] : at::Tensor(), wanted[1] ? out[1] : at::Tensor(),
             wanted[2] ? out[2] : at::Tensor()};
@@ -288,7 +293,8 @@ struct LikelihoodBackward : Node {
 };
 
 at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& var,
-                           c10::string_view kind, double eps, bool full, c10::string_view reduction) {
+                           c10::string_view kind, double eps, bool full, c10::string_view reduction,
+                           int64_t history_slot, double expected_grad_output, bool writes) {
   const at::Tensor no_var;
   const at::Tensor& var_or_none = var.has_value() ? *var : no_var;
   check_no_tangents(input, target, "likelihood_loss", var_or_none);
@@ -299,11 +305,12 @@ at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, co
   Tensors4 result;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    result = op.call(input, target, var, kind, eps, full, reduction, mask);
+    const std::array<bool, 3> written = {writes && mask[0], writes && mask[1], writes && mask[2]};
+    result = op.call(input, target, var, kind, eps, full, reduction, written, expected_grad_output);
   }
   at::Tensor out = std::get<0>(result);
   if (mask[0] || mask[1] || mask[2]) {
-    auto node = make_node<LikelihoodBackward>();
+    auto node = make_node<LikelihoodLossBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(input, target, var_or_none));
     node->input_ = SavedVariable(input, false);
     node->target_ = SavedVariable(target, false);
@@ -315,7 +322,9 @@ at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, co
     node->full_ = full;
     node->forward_mask_ = mask;
     node->written_ = {std::get<1>(result), std::get<2>(result), std::get<3>(result)};
-    node->has_written_ = true;
+    node->has_written_ = writes;
+    node->history_slot_ = history_slot;
+    node->expected_grad_output_ = expected_grad_output;
     torch::autograd::set_history(out, node);
   }
   return out;
@@ -407,7 +416,7 @@ TORCH_LIBRARY(fusedloss_cxx, m) {
         "float host_scale, str loss, float param, int history_slot, float expected_grad_output, bool autocast, "
         "int weight_kept_dims, bool param_per_element) -> Tensor",
         &weighted_loss);
-  m.def("likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction) "
-        "-> Tensor",
+  m.def("likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
+        "int history_slot, float expected_grad_output, bool writes) -> Tensor",
         &likelihood_loss);
 }

@@ -21,6 +21,8 @@ struct LikelihoodProblem {
   double eps;       // the Gaussian's var is clamped at it; the Poisson rate shifted by it
   double constant;  // added to each element's loss: the Gaussian's full term, else 0
   double scale;     // the reduction's: 1 / numel for a mean, 1 for a sum
+  // The grad_output the forward's gradients are written for (grad_output_prediction.py).
+  double expected_grad_output = 1.0;
 };
 
 }  // namespace fusedloss
@@ -29,13 +31,15 @@ FUSEDLOSS_KERNELS_BEGIN
 
 // How many partial sums launch_likelihood_loss takes.
 int64_t likelihood_partials(const LikelihoodProblem& problem);
-// The loss into `out` (the operands' dtype), and each gradient whose pointer is set, for a
-// grad_output of 1, rounded once.
+// The loss into `out` (the operands' dtype), and each gradient whose pointer is set, for
+// the problem's expected grad_output, rounded once.
 cudaError_t launch_likelihood_loss(const LikelihoodProblem& problem, double* partials, void* grad_input,
                                    void* grad_target, void* grad_var, void* out, cudaStream_t stream);
-// The gradients that launch_likelihood_loss wrote, recomputed in place for *grad_output
-// where it is not 1 (decided on the GPU), by one wave of blocks over `num_sms` SMs.
-cudaError_t launch_likelihood_backward(const LikelihoodProblem& problem, const void* grad_output, int num_sms,
-                                       void* grad_input, void* grad_target, void* grad_var, cudaStream_t stream);
+// The gradients for *grad_output, noted in options.history: with options.correct_in_place,
+// those launch_likelihood_loss wrote, recomputed in place where grad_output is not the
+// expected one (decided on the GPU) by one wave of blocks; else computed, a tile a block.
+cudaError_t launch_likelihood_backward(const LikelihoodProblem& problem, const void* grad_output,
+                                       const BackwardOptions& options, void* grad_input, void* grad_target,
+                                       void* grad_var, cudaStream_t stream);
 
 FUSEDLOSS_KERNELS_END

@@ -1,6 +1,6 @@
 // The Gaussian and Poisson negative log-likelihoods (likelihood.h): a mean or sum in one
-// pass that also writes the operands' gradients for a grad_output of 1, and the backward
-// that recomputes them in place where grad_output is another. Every operand has the
+// pass that also writes the operands' gradients for the grad_output expected, and the
+// backward that recomputes them in place where grad_output is another. Every operand has the
 // loss's dtype and shape; the math is float32 (float64 for float64 operands).
 #include <cmath>
 #include <type_traits>
@@ -51,7 +51,10 @@ __device__ __forceinline__ T logarithm(T x) {
 // PyTorch's formulas: for the Gaussian, var clamped at eps (the clamp passes var's gradient
 // through, as PyTorch's does), a negative var NaN (likelihood.py reports it so, where PyTorch's
 // check would wait for the GPU) and NaN kept; for the Poisson loss of a log rate,
-// exp(input) - target input; of a rate, input - target log(input + eps).
+// exp(input) - target input; of a rate, input - target log(input + eps). A gradient's product
+// and sum are one fma, written out: left to the compiler, the forward's pass and backward's
+// could contract them differently, and a gradient predicted in the forward would not have the
+// bits of one computed in backward.
 template <Likelihood kKind, bool kApprox, typename T>
 __device__ __forceinline__ LikelihoodTerms<T> likelihood_terms(T p, T t, T var, T eps, T constant) {
   if constexpr (kKind == Likelihood::kGaussian) {
@@ -59,7 +62,7 @@ __device__ __forceinline__ LikelihoodTerms<T> likelihood_terms(T p, T t, T var, 
     const T d = p - t;
     const T inverse = reciprocal<kApprox>(v);
     const T q = kApprox ? d * inverse : d / v;
-    return {T(0.5) * (logarithm<kApprox>(v) + d * q) + constant, q, -q, T(0.5) * (inverse - q * q)};
+    return {T(0.5) * (logarithm<kApprox>(v) + d * q) + constant, q, -q, T(0.5) * fma(-q, q, inverse)};
   } else if constexpr (kKind == Likelihood::kPoissonLogRate) {
     // exp2 of a product rounded once: within a few ulps of float32, below 16-bit rounding
     const T rate = kApprox ? approximate_exp2(p * 1.44269504088896341f) : exp(p);
@@ -67,8 +70,8 @@ __device__ __forceinline__ LikelihoodTerms<T> likelihood_terms(T p, T t, T var, 
   } else {
     const T shifted = p + eps;
     const T log_shifted = logarithm<kApprox>(shifted);
-    return {p - t * log_shifted, T(1) - (kApprox ? t * reciprocal<kApprox>(shifted) : t / shifted), -log_shifted,
-            T(0)};
+    return {p - t * log_shifted, kApprox ? fma(-t, reciprocal<kApprox>(shifted), T(1)) : T(1) - t / shifted,
+            -log_shifted, T(0)};
   }
 }
 
@@ -142,12 +145,21 @@ __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) likelihood_lo
 }
 
 // From the last tile (the forward just read it, so it may still be in L2), gridDim.x apart.
+// Notes grad_output in `history` (when set) and whether it was not the one expected;
+// correcting in place, returns at once where the forward's gradients are this grad_output's.
 template <class Op, typename S>
 __global__ void __launch_bounds__(kBlockThreads, Op::kBlocksPerSm) likelihood_backward_kernel(
-    Op op, int64_t n, int64_t tiles, const S* grad_output, double scale) {
-  const double go = double(to_opmath(*grad_output));
-  if (go == 1.0) return;  // the forward's gradients are this grad_output's
-  op.factor = typename Op::T(scale * go);
+    Op op, int64_t n, int64_t tiles, const S* grad_output, double scale, double expected_grad_output,
+    double* history, bool correct_in_place) {
+  using T = typename Op::T;
+  const T go = to_opmath(*grad_output);
+  const bool expected = same_bits(go, T(expected_grad_output));
+  if (history != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    history[0] = double(go);
+    history[1] = expected ? 0.0 : 1.0;
+  }
+  if (correct_in_place && expected) return;
+  op.factor = T(scale * double(go));
 #pragma unroll 1
   for (int64_t tile = tiles - 1 - blockIdx.x; tile >= 0; tile -= gridDim.x) visit_tile(op, n, tile);
 }
@@ -184,7 +196,8 @@ Op make_likelihood_op(const LikelihoodProblem& p, void* grad_input, void* grad_t
   op.grad_var = static_cast<S*>(grad_var);
   op.eps = T(p.eps);
   op.constant = T(p.constant);
-  op.factor = T(p.scale);
+  // as the backward's for this grad_output: the same bits
+  op.factor = T(p.scale * double(T(p.expected_grad_output)));
   return op;
 }
 
@@ -218,17 +231,20 @@ cudaError_t launch_likelihood_loss(const LikelihoodProblem& p, double* partials,
   });
 }
 
-cudaError_t launch_likelihood_backward(const LikelihoodProblem& p, const void* grad_output, int num_sms,
-                                       void* grad_input, void* grad_target, void* grad_var, cudaStream_t stream) {
+cudaError_t launch_likelihood_backward(const LikelihoodProblem& p, const void* grad_output,
+                                       const BackwardOptions& options, void* grad_input, void* grad_target,
+                                       void* grad_var, cudaStream_t stream) {
   return with_likelihood(p, [&](auto kind, auto s) {
     using S = decltype(s);
     using Op = LikelihoodOp<decltype(kind)::value, S, false>;
     const int64_t tiles = num_tiles<Op>(p.numel);
     if (tiles == 0) return cudaSuccess;
     const Op op = make_likelihood_op<Op, S>(p, grad_input, grad_target, grad_var);
-    const int64_t wave = int64_t(num_sms > 0 ? num_sms : 1) * Op::kBlocksPerSm;
-    likelihood_backward_kernel<Op, S><<<wave < tiles ? wave : tiles, kBlockThreads, 0, stream>>>(
-        op, p.numel, tiles, static_cast<const S*>(grad_output), p.scale);
+    const int64_t wave = int64_t(options.num_sms > 0 ? options.num_sms : 1) * Op::kBlocksPerSm;
+    const int64_t blocks = options.correct_in_place && wave < tiles ? wave : tiles;
+    likelihood_backward_kernel<Op, S><<<blocks, kBlockThreads, 0, stream>>>(
+        op, p.numel, tiles, static_cast<const S*>(grad_output), p.scale, p.expected_grad_output, options.history,
+        options.correct_in_place);
     return cudaGetLastError();
   });
 }

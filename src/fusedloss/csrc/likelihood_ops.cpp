@@ -13,9 +13,9 @@ FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_loss,
                           void* grad_var, void* out, cudaStream_t stream),
                          (problem, partials, grad_input, grad_target, grad_var, out, stream))
 FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_backward,
-                         (const LikelihoodProblem& problem, const void* grad_output, int num_sms, void* grad_input,
-                          void* grad_target, void* grad_var, cudaStream_t stream),
-                         (problem, grad_output, num_sms, grad_input, grad_target, grad_var, stream))
+                         (const LikelihoodProblem& problem, const void* grad_output, const BackwardOptions& options,
+                          void* grad_input, void* grad_target, void* grad_var, cudaStream_t stream),
+                         (problem, grad_output, options, grad_input, grad_target, grad_var, stream))
 
 namespace {
 
@@ -34,7 +34,8 @@ struct LikelihoodOperands {
 };
 
 LikelihoodOperands prepare_likelihood(const Tensor& input, const Tensor& target, const std::optional<Tensor>& var,
-                                      const std::string& kind, double eps, bool full, const std::string& reduction) {
+                                      const std::string& kind, double eps, bool full, const std::string& reduction,
+                                      double expected_grad_output) {
   const Likelihood likelihood = parse_likelihood(kind);
   const bool mean = parse_mean(reduction);
   STD_TORCH_CHECK(var.has_value() == (likelihood == Likelihood::kGaussian),
@@ -60,17 +61,19 @@ LikelihoodOperands prepare_likelihood(const Tensor& input, const Tensor& target,
                                   numel,
                                   eps,
                                   full && likelihood == Likelihood::kGaussian ? 0.91893853320467274178 : 0.0,
-                                  mean ? 1.0 / double(numel) : 1.0};
+                                  mean ? 1.0 / double(numel) : 1.0,
+                                  expected_grad_output};
   return ops;
 }
 
 // The loss (the operands' dtype), and the gradients output_mask asks for (input, target,
-// var), written for a grad_output of 1: likelihood_loss_backward_ corrects them for another.
+// var), written for expected_grad_output: likelihood_loss_backward_ corrects them for another.
 std::tuple<Tensor, Tensor, Tensor, Tensor> likelihood_loss(Tensor input, Tensor target, std::optional<Tensor> var,
                                                            std::string kind, double eps, bool full,
-                                                           std::string reduction, std::vector<bool> output_mask) {
+                                                           std::string reduction, std::vector<bool> output_mask,
+                                                           double expected_grad_output) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, full, reduction);
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output);
   STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
                   "fusedloss: likelihood_loss's output_mask names input, target and var");
   const Shape shape = shape_of(input);
@@ -86,19 +89,43 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> likelihood_loss(Tensor input, Tensor 
   return {out, grad_input, grad_target, grad_var};
 }
 
-// The gradients likelihood_loss wrote, recomputed in place for grad_output where it is not 1
-// (decided on the GPU: no sync). An empty tensor stands for a gradient not written.
+// The gradients likelihood_loss wrote, recomputed in place for grad_output where it is not
+// expected_grad_output (decided on the GPU: no sync); grad_output noted in history_slot. An
+// empty tensor stands for a gradient not written.
 void likelihood_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor grad_var, Tensor grad_output,
                                Tensor input, Tensor target, std::optional<Tensor> var, std::string kind, double eps,
-                               std::string reduction) {
+                               std::string reduction, double expected_grad_output, int64_t history_slot_index) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, false, reduction);
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, false, reduction, expected_grad_output);
   check_grad_output(grad_output, input, "likelihood_loss_backward_");
   const Tensor go = as_dtype(grad_output, input.scalar_type());
   FUSEDLOSS_CUDA_CHECK(launch_likelihood_backward(
-      ops.problem, go.data_ptr(), backward_options(-1, true).num_sms, written_gradient(grad_input, input),
+      ops.problem, go.data_ptr(), backward_options(history_slot_index, true), written_gradient(grad_input, input),
       written_gradient(grad_target, input), var.has_value() ? written_gradient(grad_var, input) : nullptr,
       current_stream(input)));
+}
+
+// The gradients output_mask asks for, for grad_output, where the forward wrote none; grad_output
+// noted in history_slot, and whether it was not expected_grad_output (the forward's expectation).
+std::tuple<Tensor, Tensor, Tensor> likelihood_loss_backward(Tensor grad_output, Tensor input, Tensor target,
+                                                            std::optional<Tensor> var, std::string kind, double eps,
+                                                            std::string reduction, std::vector<bool> output_mask,
+                                                            int64_t history_slot_index, double expected_grad_output) {
+  const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, false, reduction, expected_grad_output);
+  STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
+                  "fusedloss: likelihood_loss_backward's output_mask names input, target and var");
+  check_grad_output(grad_output, input, "likelihood_loss_backward");
+  const Tensor go = as_dtype(grad_output, input.scalar_type());
+  const Shape shape = shape_of(input);
+  const ScalarType dtype = input.scalar_type();
+  Tensor grad_input = maybe_grad_buffer(output_mask[0], shape, dtype, input);
+  Tensor grad_target = maybe_grad_buffer(output_mask[1], shape, dtype, input);
+  Tensor grad_var = maybe_grad_buffer(output_mask[2], shape, dtype, input);
+  FUSEDLOSS_CUDA_CHECK(launch_likelihood_backward(ops.problem, go.data_ptr(), backward_options(history_slot_index, false),
+                                                  data_or_null(grad_input), data_or_null(grad_target),
+                                                  data_or_null(grad_var), current_stream(input)));
+  return {grad_input, grad_target, grad_var};
 }
 
 }  // namespace
@@ -106,6 +133,12 @@ void likelihood_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor gra
 STABLE_TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
   m.impl("likelihood_loss", TORCH_BOX(&likelihood_loss));
   m.impl("likelihood_loss_backward_", TORCH_BOX(&likelihood_loss_backward_));
+  m.impl("likelihood_loss_backward", TORCH_BOX(&likelihood_loss_backward));
+}
+
+// No tensor argument to dispatch on.
+STABLE_TORCH_LIBRARY_IMPL(fusedloss, CompositeExplicitAutograd, m) {
+  m.impl("likelihood_grad_output_history", TORCH_BOX(&grad_output_history));
 }
 
 }  // namespace fusedloss
