@@ -59,7 +59,7 @@ def _info() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import __version__
+    from . import __version__, build
 
     parser = argparse.ArgumentParser(prog="python -m fusedloss")
     parser.add_argument("--version", action="version", version=f"fusedloss {__version__}")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "TORCH_CUDA_ARCH_LIST, else the visible GPUs)")
     build_parser.add_argument("--force", action="store_true", help="build again, also after a recorded failure")
     build_parser.add_argument("--family", action="append", default=[],
-                              choices=["plain", "weighted", "likelihood"],
+                              choices=list(build.FAMILIES),
                               help="build only this family of kernels (repeatable; default: all)")
     bench = commands.add_parser("bench", help="check against float64 and time against eager and torch.compile")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the table, CSV and plot")
