@@ -718,11 +718,9 @@ def load(*families: str) -> dict[str, Path]:
                         with _cxx_autograd_compiling(family.name == "plain", builds_beside=1) as autograd:
                             _loaded[family.name] = _build_or_load(family, arch_list(), why=why_not,
                                                                   beside=[_CXX_AUTOGRAD] if autograd else [])
-                    if family.name == "plain":
-                        # A source build has a compiler at hand; a wheel's user gets it from `build`.
-                        load_cxx_autograd(build_if_missing=library is None)
-                    elif family.name == "likelihood":
-                        load_cxx_autograd(build_if_missing=False)  # its node serves the NLL's steps too
+                    # The C++ autograd serves every family's small steps. A source build of the
+                    # plain family has a compiler at hand; a wheel's user gets it from `build`.
+                    load_cxx_autograd(build_if_missing=library is None and family.name == "plain")
                 except KernelsUnavailableError as error:
                     _load_failures[family.name] = error
                     raise
