@@ -10,7 +10,9 @@ runs of dimensions, runs shorter than a chunk, the loss's own size), scale
 on the host and on the device, and a weight that requires grad (its gradient
 written beside the input's), a weight over leading dimensions of rows of whole
 tiles, and a weight of five runs; reduction='none' backward
-with a grad_output expanded by a sum over some dimensions; per-sample losses (dim=).
+with a grad_output expanded by a sum over some dimensions; per-sample losses (dim=); the Gaussian
+and Poisson NLLs' fused pass (gradients written by the forward, corrected in backward, or
+computed there) for each dtype and size.
 """
 
 from __future__ import annotations
@@ -149,6 +151,25 @@ def main() -> None:
         input, target = operand(n, in_dtype, 0).view(shape), operand(n, tgt_dtype, 0).view(shape)
         for reduction in ("mean", "sum"):
             fn(input, target, reduction=reduction, dim=(1, 2), **kwargs).sum().backward()
+        cases += 1
+    # The NLLs' fused pass, operands of one dtype and shape: the gradients written by the
+    # forward for the expected grad_output (corrected, then predicted), and computed in
+    # backward where the forward wrote none.
+    for dtype, n, reduction in itertools.product((torch.float32, torch.bfloat16, torch.float16, torch.float64), SIZES,
+                                                 ("mean", "sum")):
+        input, target = operand(n, dtype, 0), operand(n, dtype, 0)
+        var = (operand(n, dtype, 0).detach().abs() + 0.1).requires_grad_()
+        rate = input.detach().abs().requires_grad_()
+        calls = (lambda: fusedloss.gaussian_nll_loss(input, target, var, full=True, reduction=reduction),
+                 lambda: fusedloss.poisson_nll_loss(input, target, full=True, reduction=reduction),
+                 lambda: fusedloss.poisson_nll_loss(rate, target, log_input=False, reduction=reduction))
+        for call, fused_from in itertools.product(calls, (0, 1 << 62)):
+            routing.FUSED_GRADIENT_FROM_BYTES = fused_from
+            for _ in range(2 if fused_from == 0 else 1):
+                (call() * 0.5).backward()
+                torch.cuda.synchronize()
+            with torch.no_grad():
+                call()
         cases += 1
     torch.cuda.synchronize()
     print(f"sanitizer cases: {cases} configurations ran")
