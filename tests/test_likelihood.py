@@ -244,7 +244,7 @@ def _written_out(name, input, target, var, reduction, full=False):
 
 def _pytorch(name, input, target, var, reduction, full=False):
     if name.startswith("poisson"):
-        return F.poisson_nll_loss(input, target, log_input=name == "poisson", reduction=reduction)
+        return F.poisson_nll_loss(input, target, log_input=name == "poisson", full=full, reduction=reduction)
     return F.gaussian_nll_loss(input, target, var, full=full, reduction=reduction)
 
 
@@ -508,13 +508,13 @@ def test_cuda_graph_replays_the_eager_step(name, var_columns):
 _KINDS = {"poisson": "poisson", "poisson rate": "poisson_rate", "gaussian": "gaussian"}
 
 
-def _fused(name, input, target, var, reduction, full=False, autograd="python"):
+def _fused(name, input, target, var, reduction, full=False, autograd="python", scale=1.0):
     """The fused pass with one of its autograds, as the GPU's eager route applies it (which
     loads its kernels): ``FusedLikelihood`` ("python") or the C++ autograd's node ("cxx")."""
     build.load("likelihood")
     # no history slot, a grad_output of 1 expected, the gradients written in the forward
     args = (input, target, var if name == "gaussian" else None, _KINDS[name], 1e-6 if name == "gaussian" else 1e-8,
-            full, reduction, -1, 1.0, True)
+            full, reduction, -1, 1.0, True, scale)
     if autograd == "cxx":
         return torch.ops.fusedloss_cxx.likelihood_loss.default(*args)
     return likelihood.FusedLikelihood.apply(*args)
@@ -552,11 +552,46 @@ def test_cuda_fused_matches_float64_as_pytorch_does(name, dtype, reduction, grad
 
 
 @requires_cuda
+@pytest.mark.parametrize("scale", [0.37, 65536.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
+def test_cuda_fused_full_and_scale(name, dtype, reduction, scale):
+    """The public functions with ``full`` and a number ``scale`` take the fused route
+    (checked): the value and each gradient (grad_output 0.37) against PyTorch's formula in
+    float64 times the scale, within the dtype's tolerance of their largest entry, NaN where
+    PyTorch's is (the target's gradient at a count of 0); counts above 1 take the Poisson
+    loss's Stirling term and its gradient in the target."""
+    input, target, var = _likelihood_operands(name, (301, 129), (dtype,) * 3, "cuda")
+    leaves = [t for t in (input, target, var) if t is not None]
+
+    def ours():
+        if name == "gaussian":
+            return fusedloss.gaussian_nll_loss(input, target, var, full=True, reduction=reduction, scale=scale)
+        return fusedloss.poisson_nll_loss(input, target, log_input=name == "poisson", full=True, reduction=reduction,
+                                          scale=scale)
+
+    assert "likelihood_loss.default" in _route_ops(ours)
+    out = ours()
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    exact = _pytorch(name, *(*leaves64, None)[:3], reduction, full=True) * scale
+    assert out.dtype == dtype
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), exact.detach(), rtol=rtol, atol=atol * exact.abs().item())
+    grad_output = torch.tensor(0.37, device="cuda", dtype=dtype)
+    for got, want in zip(torch.autograd.grad(out, leaves, grad_output),
+                         torch.autograd.grad(exact, leaves64, grad_output.double())):
+        largest = want[want.isfinite()].abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol * largest, equal_nan=True)
+
+
+@requires_cuda
 @pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
 def test_cuda_fused_edges(name, autograd):
     """PyTorch's values and gradients for each of NaN, inf, 0 (a var of 0, inf and below eps)
     alone, for empty and 0-d operands, with ``full``; a double backward differentiates
-    PyTorch's formula; a second backward (retain_graph) gives the first one's bits."""
+    PyTorch's formula; a second backward (retain_graph) gives the first one's bits. Counts
+    at, below and above 1 take each side of the Poisson loss's Stirling term."""
     special = [math.nan, math.inf, -math.inf, 0.0, 1.0, 100.0, -100.0, 1e-30]
     counts = [1.0, 0.0, 2.0, math.nan, math.inf, 3.0, 0.5, 7.0]
     variances = [1.0, 2.0, 0.5, 1.0, math.inf, 0.0, 1e-9, math.nan]
@@ -565,8 +600,6 @@ def test_cuda_fused_edges(name, autograd):
     for shape in ((0, 3), (4, 5)):
         cases.append(_likelihood_operands(name, shape, (torch.float64,) * 3, "cuda"))
     for reduction, full in itertools.product(("mean", "sum"), (False, True)):
-        if full and name != "gaussian":
-            continue
         for operands in cases:
             leaves = [t.detach().requires_grad_() for t in operands[:3 if name == "gaussian" else 2]]
             input, target, var = (*leaves, None)[:3]
@@ -601,7 +634,7 @@ def test_cuda_both_autograds_give_the_same_bits(cxx_autograd, name, dtype, grad_
     second backward (retain_graph) too; the public functions take the node where it is loaded."""
     input, target, var = _likelihood_operands(name, (257, 33), (dtype,) * 3, "cuda")
     operands = (input, target, var) if name == "gaussian" else (input, target)
-    for reduction in ("mean", "sum"):
+    for reduction, (full, scale) in itertools.product(("mean", "sum"), ((False, 1.0), (True, 0.37))):
         for wanted in itertools.product((False, True), repeat=len(operands)):
             if not any(wanted):
                 continue
@@ -610,7 +643,7 @@ def test_cuda_both_autograds_give_the_same_bits(cxx_autograd, name, dtype, grad_
             for ask in (asked, asked[:1]):
                 results = []
                 for autograd in ("python", "cxx"):
-                    out = _fused(name, *(*leaves, None)[:3], reduction, autograd=autograd)
+                    out = _fused(name, *(*leaves, None)[:3], reduction, full, autograd, scale)
                     go = torch.tensor(grad_output, device="cuda", dtype=out.dtype)
                     first = torch.autograd.grad(out, ask, go, retain_graph=True)
                     second = torch.autograd.grad(out, ask, go)

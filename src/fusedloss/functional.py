@@ -242,10 +242,11 @@ def gaussian_nll_loss(
     (and a mean or sum over it) is NaN, and nothing waits for the GPU, where PyTorch's
     ``torch.any(var < 0)`` does. On the CPU, and for a float ``var``, PyTorch raises its
     ValueError. ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this
-    module's docstring. Computed with torch operations: on a GPU, in eager mode, with
-    float32, float64 or bfloat16 operands (float16 under autocast), an autograd function
-    with its derivatives written out, whose values and gradients are PyTorch's up to
-    rounding.
+    module's docstring. On a GPU, in eager mode, with float32, float64 or bfloat16 operands
+    (float16 under autocast): a mean or sum, times a number ``scale`` where one is given,
+    of operands of one dtype and shape is one fused pass that also writes the gradients;
+    otherwise torch operations in an autograd function with its derivatives written out.
+    Values and gradients are PyTorch's up to rounding.
     """
     return likelihood.gaussian_nll(input, target, var, full, eps, reduction, weight, scale, dim, keepdim)
 
@@ -269,11 +270,13 @@ def poisson_nll_loss(
     ``exp(input) - target * input`` (``log_input``) or ``input - target * log(input + eps)``,
     plus Stirling's approximation of ``log(target!)`` where ``target > 1`` if ``full``.
     ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this module's
-    docstring. Computed with torch operations: without ``full``, on a GPU, in eager mode,
-    with float32, float64 or bfloat16 operands (float16 under autocast) of 128 MiB and more
-    (``likelihood.POISSON_WRITTEN_OUT_FROM_BYTES``), as an autograd function with its
-    derivatives written out, whose values and gradients are PyTorch's up to rounding;
-    otherwise PyTorch's own loss.
+    docstring. On a GPU, in eager mode, with float32, float64 or bfloat16 operands (float16
+    under autocast): a mean or sum, times a number ``scale`` where one is given, of operands
+    of one dtype and shape is one fused pass that also writes the gradients, ``full``
+    included; otherwise, without ``full``, from 128 MiB of operands
+    (``likelihood.POISSON_WRITTEN_OUT_FROM_BYTES``), torch operations in an autograd
+    function with its derivatives written out. Values and gradients are PyTorch's up to
+    rounding. Everywhere else, PyTorch's own loss.
     """
     return likelihood.poisson_nll(input, target, log_input, full, size_average, eps, reduce, reduction, weight,
                                   scale, dim, keepdim)

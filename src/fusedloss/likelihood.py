@@ -8,15 +8,16 @@ nothing, PyTorch's ValueError is kept.
 
 On a GPU, in eager mode, with float32, float64 and bfloat16 operands (float16 ones under
 autocast too), both losses (the Poisson loss without ``full``) have their derivatives
-written out. A mean or sum of operands of one dtype and one shape (a var of the input's
-shape) is one fused pass over the operands that also writes their gradients
-(``fused_likelihood``: the C++ autograd's node where it is loaded, else
-``FusedLikelihood``). Other shapes and dtypes, and ``reduction='none'``, take torch
+written out. A mean or sum, times a number ``scale`` where one is given, of operands of
+one dtype and one shape (a var of the input's shape) is one fused pass over the operands
+that also writes their gradients, ``full`` included (``fused_likelihood``: the C++
+autograd's node where it is loaded, else ``FusedLikelihood``). Other shapes and dtypes,
+a weight, a tensor scale, ``dim`` and ``reduction='none'`` take torch
 operations in about half the passes of autograd through PyTorch's formula (the Poisson
 loss from operands of ``POISSON_WRITTEN_OUT_FROM_BYTES``). Their values and gradients are
 PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewhere (the
 CPU, float16 operands outside autocast, smaller Poisson losses that the fused pass does
-not take, ``full`` Poisson losses, ``torch.compile``, torch.func transforms and
+not take, ``full`` Poisson losses outside it, ``torch.compile``, torch.func transforms and
 forward-mode AD, tensor subclasses) the losses are PyTorch's own operations.
 """
 
@@ -49,6 +50,7 @@ POISSON_WRITTEN_OUT_FROM_BYTES = routing.FUSED_GRADIENT_FROM_BYTES >> 1
 def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool, eps: float, reduction: str,
                  weight: Tensor | None, scale: float | Tensor | None, dim: Dims, keepdim: bool) -> Tensor:
     plain = weight is None and scale is None and dim is None
+    fused_scale = _fused_scale(scale) if weight is None and dim is None and reduction != "none" else None
     if not checks_without_sync(input, target, var):
         if plain:
             return F.gaussian_nll_loss(input, target, var, full=full, eps=eps, reduction=reduction)
@@ -57,8 +59,8 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
     elif _written_out_applies(*(computed := _gaussian_operands(input, target, var))):
         input, target, var = computed
         _check_reduction(reduction)
-        if plain and reduction != "none" and _fused_applies(input, target, var):
-            return fused_likelihood(input, target, var, "gaussian", eps, full, reduction)
+        if fused_scale is not None and _fused_applies(input, target, var):
+            return fused_likelihood(input, target, var, "gaussian", eps, full, reduction, fused_scale)
         if plain:
             return GaussianNll.apply(input, target, var, full, eps, reduction)
         per_element = GaussianNll.apply(input, target, var, full, eps, "none")
@@ -67,6 +69,15 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
         if plain:
             return per_element if reduction == "none" else reductions.reduce(per_element, reduction, None, None)
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim)
+
+
+def _fused_scale(scale: float | Tensor | None) -> float | None:
+    """The scale as the fused pass takes it, a number (1 for none); None for a tensor, which
+    torch operations apply."""
+    if scale is None:
+        return 1.0
+    reductions.check_scale(scale)
+    return None if isinstance(scale, Tensor) else float(scale)
 
 
 def _written_out_applies(*operands: Tensor) -> bool:
@@ -186,8 +197,8 @@ class GaussianNll(torch.autograd.Function):
 
 
 def fused_likelihood(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
-                     reduction: str) -> Tensor:
-    """The fused pass with its autograd: the C++ autograd's graph node where it is loaded (a
+                     reduction: str, scale: float = 1.0) -> Tensor:
+    """The fused pass (the mean or sum times ``scale``) with its autograd: the C++ autograd's graph node where it is loaded (a
     small step then runs no Python in its backward), else ``FusedLikelihood``; the same
     kernels, values and gradients either way. From ``routing.FUSED_GRADIENT_FROM_BYTES`` of
     operands, the forward writes the gradients for the grad_output the last backward of the
@@ -202,13 +213,13 @@ def fused_likelihood(input: Tensor, target: Tensor, var: Tensor | None, kind: st
         writes = not mispredicted
     if build.cxx_autograd_loaded():
         return torch.ops.fusedloss_cxx.likelihood_loss.default(input, target, var, kind, eps, full, reduction, slot,
-                                                               expected, writes)
-    return FusedLikelihood.apply(input, target, var, kind, eps, full, reduction, slot, expected, writes)
+                                                               expected, writes, scale)
+    return FusedLikelihood.apply(input, target, var, kind, eps, full, reduction, slot, expected, writes, scale)
 
 
 def likelihood_gradients(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
-                         eps: float, full: bool, reduction: str,
-                         wanted: Sequence[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                         eps: float, full: bool, reduction: str, wanted: Sequence[bool],
+                         scale: float = 1.0) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The fused losses' gradients of the operands ``wanted`` (None for the others) as
     PyTorch's formula gives them, through a graph of their own, so that autograd can
     differentiate them again (``create_graph=True``)."""
@@ -216,7 +227,10 @@ def likelihood_gradients(grad_output: Tensor, input: Tensor, target: Tensor, var
         if kind == "gaussian":
             loss = reduced(gaussian_nll_elementwise(input, target, var, full, eps, "none"), reduction)
         else:
-            loss = F.poisson_nll_loss(input, target, log_input=kind == "poisson", eps=eps, reduction=reduction)
+            loss = F.poisson_nll_loss(input, target, log_input=kind == "poisson", full=full, eps=eps,
+                                      reduction=reduction)
+        if scale != 1.0:
+            loss = loss * scale
     grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target, var), wanted) if w], grad_output,
                                      create_graph=True))
     return tuple(next(grads) if w else None for w in wanted)
@@ -224,17 +238,17 @@ def likelihood_gradients(grad_output: Tensor, input: Tensor, target: Tensor, var
 
 @torch.library.impl("fusedloss::likelihood_gradients", "CompositeImplicitAutograd")
 def _likelihood_gradients_op(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
-                             eps: float, full: bool, reduction: str,
-                             output_mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                             eps: float, full: bool, reduction: str, output_mask: Sequence[bool],
+                             scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     # the C++ autograd's double backward: an operand not wanted gets an empty tensor
-    grads = likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, output_mask)
+    grads = likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, output_mask, scale)
     return tuple(input.new_empty((0,)) if g is None else g for g in grads)
 
 
 class FusedLikelihood(torch.autograd.Function):
     """A mean or sum of the Gaussian (``kind='gaussian'``) or Poisson (``'poisson'`` of a log
-    rate, ``'poisson_rate'`` of a rate) NLL of CUDA operands of one dtype and one shape, in
-    one fused pass (``fusedloss::likelihood_loss``) that also writes the gradients autograd
+    rate, ``'poisson_rate'`` of a rate) NLL of CUDA operands of one dtype and one shape, times
+    ``scale``, in one fused pass (``fusedloss::likelihood_loss``) that also writes the gradients autograd
     will want (where ``writes``), for the grad_output ``expected``; backward hands them on,
     recomputed in place on the GPU where grad_output is another, or computes them, and notes
     grad_output in the history ``slot`` (-1: nowhere). Values and gradients are PyTorch's
@@ -243,33 +257,34 @@ class FusedLikelihood(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
-                reduction: str, slot: int, expected: float, writes: bool) -> Tensor:
+                reduction: str, slot: int, expected: float, writes: bool, scale: float = 1.0) -> Tensor:
         wanted = [bool(w) for w in ctx.needs_input_grad[:3]]
         with torch._C._AutoDispatchBelowAutograd():
             out, *grads = torch.ops.fusedloss.likelihood_loss(input, target, var, kind, eps, full, reduction,
-                                                              wanted if writes else [False] * 3, expected)
+                                                              wanted if writes else [False] * 3, expected, scale)
         ctx.save_for_backward(input, target, var)
-        ctx.arguments = (kind, eps, full, reduction, slot, expected)
+        ctx.arguments = (kind, eps, full, reduction, slot, expected, scale)
         ctx.written = grads if writes else None  # handed on by the first backward; a later one computes its own
         return out
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         input, target, var = ctx.saved_tensors
-        kind, eps, full, reduction, slot, expected = ctx.arguments
+        kind, eps, full, reduction, slot, expected, scale = ctx.arguments
         wanted = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
-            return likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, wanted) + (None,) * 7
+            return likelihood_gradients(grad_output, input, target, var, kind, eps, full, reduction, wanted,
+                                        scale) + (None,) * 8
         grads, ctx.written = ctx.written, None
         with torch._C._AutoDispatchBelowAutograd():
             if grads is None:
-                grads = torch.ops.fusedloss.likelihood_loss_backward(grad_output, input, target, var, kind, eps,
+                grads = torch.ops.fusedloss.likelihood_loss_backward(grad_output, input, target, var, kind, eps, full,
                                                                      reduction, [bool(w) for w in wanted], slot,
-                                                                     expected)
+                                                                     expected, scale)
             else:
-                torch.ops.fusedloss.likelihood_loss_backward_(*grads, grad_output, input, target, var, kind, eps,
-                                                              reduction, expected, slot)
-        return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 7
+                torch.ops.fusedloss.likelihood_loss_backward_(*grads, grad_output, input, target, var, kind, eps, full,
+                                                              reduction, expected, slot, scale)
+        return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 8
 
 
 class PoissonNll(torch.autograd.Function):
@@ -324,12 +339,13 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
                 keepdim: bool) -> Tensor:
     kind = "poisson" if log_input else "poisson_rate"
     written_out = None
-    if not full and isinstance(input, Tensor) and isinstance(target, Tensor):
-        # the fused pass takes a mean or sum of operands of one shape and dtype at every size
-        fusable = (weight is None and scale is None and dim is None and size_average is None and reduce is None
-                   and reduction in ("mean", "sum") and input.shape == target.shape and input.dtype == target.dtype)
+    if isinstance(input, Tensor) and isinstance(target, Tensor):
+        # the fused pass takes a mean or sum (times a number) of operands of one shape and dtype at every size
+        fusable = (weight is None and dim is None and size_average is None and reduce is None
+                   and reduction in ("mean", "sum") and input.shape == target.shape and input.dtype == target.dtype
+                   and (fused_scale := _fused_scale(scale)) is not None)
         # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
-        if fusable or 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES:
+        if fusable or (not full and 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES):
             autocast = routing.under_autocast(input, target)
             # the bytes of the operands as computed (autocast's float32 copies), before making any
             computed_bytes = sum(t.numel() * (4 if autocast and t.dtype in routing.SIXTEEN_BIT else t.element_size())
@@ -338,8 +354,8 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
                 computed = ops.as_computed(input, target, autocast)
                 if _written_out_applies(*computed):
                     if fusable and _fused_applies(*computed):
-                        return fused_likelihood(*computed, None, kind, eps, False, reduction)
-                    if computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
+                        return fused_likelihood(*computed, None, kind, eps, full, reduction, fused_scale)
+                    if not full and computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
                         written_out = computed
     if weight is None and scale is None and dim is None and written_out is None:
         if (size_average is None and reduce is None and reduction in routing.MODES

@@ -64,13 +64,15 @@ broadcast shape and autograd sums them to each operand's own shape.
   which autograd can differentiate again (``create_graph=True``).
 - ``likelihood_loss``: the Gaussian (``kind='gaussian'``, with ``var``) or Poisson
   (``'poisson'`` of a log rate, ``'poisson_rate'`` of a rate) negative log-likelihood's
-  mean or sum, of operands of one dtype and shape, in one pass that also writes the
+  mean or sum times ``scale``, of operands of one dtype and shape, ``full`` as PyTorch's
+  (the Poisson loss's Stirling term included), in one pass that also writes the
   gradients ``output_mask`` asks for (input, target, var) for ``expected_grad_output``;
   ``likelihood_loss_backward_`` recomputes them in place where grad_output is another
   (decided on the GPU), ``likelihood_loss_backward`` computes them where the forward
-  wrote none; both note grad_output in ``likelihood_grad_output_history``. CUDA only: their autograd is ``likelihood.FusedLikelihood``
-  (or the C++ autograd's node). ``likelihood_gradients``: their gradients as PyTorch's
-  formula gives them, which autograd can differentiate again (``create_graph=True``).
+  wrote none; both note grad_output in ``likelihood_grad_output_history``. CUDA only:
+  their autograd is ``likelihood.FusedLikelihood`` (or the C++ autograd's node).
+  ``likelihood_gradients``: their gradients as PyTorch's formula gives them, which
+  autograd can differentiate again (``create_graph=True``).
 
 With ``autocast``, the losses compute what CUDA autocast computes: 16-bit
 operands as float32 (these losses are on its float32 list), a float32 loss,
@@ -148,22 +150,22 @@ _lib.define("grad_output_history() -> Tensor")
 _lib.define("weighted_grad_output_history() -> Tensor")
 _lib.define(
     "likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
-    "bool[3] output_mask, float expected_grad_output=1.0) -> (Tensor, Tensor, Tensor, Tensor)"
+    "bool[3] output_mask, float expected_grad_output=1.0, float scale=1.0) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "likelihood_loss_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, "
-    "str reduction, bool[3] output_mask, int history_slot=-1, float expected_grad_output=1.0) "
-    "-> (Tensor, Tensor, Tensor)"
+    "bool full, str reduction, bool[3] output_mask, int history_slot=-1, float expected_grad_output=1.0, "
+    "float scale=1.0) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "likelihood_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_var, "
-    "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, str reduction, "
-    "float expected_grad_output=1.0, int history_slot=-1) -> ()"
+    "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
+    "float expected_grad_output=1.0, int history_slot=-1, float scale=1.0) -> ()"
 )
 _lib.define("likelihood_grad_output_history() -> Tensor")
 _lib.define(
     "likelihood_gradients(Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, "
-    "bool full, str reduction, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
+    "bool full, str reduction, bool[3] output_mask, float scale=1.0) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -326,7 +328,7 @@ def _weighted_loss_backward_in_place_fake(
 @torch.library.register_fake("fusedloss::likelihood_loss")
 def _likelihood_loss_fake(
     input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool, reduction: str,
-    output_mask: Sequence[bool], expected_grad_output: float = 1.0,
+    output_mask: Sequence[bool], expected_grad_output: float = 1.0, scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "likelihood")
     return input.new_empty(()), *(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)
@@ -334,8 +336,9 @@ def _likelihood_loss_fake(
 
 @torch.library.register_fake("fusedloss::likelihood_loss_backward")
 def _likelihood_loss_backward_fake(
-    grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, reduction: str,
-    output_mask: Sequence[bool], history_slot: int = -1, expected_grad_output: float = 1.0,
+    grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+    reduction: str, output_mask: Sequence[bool], history_slot: int = -1, expected_grad_output: float = 1.0,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "likelihood")
     return tuple(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)
@@ -344,8 +347,8 @@ def _likelihood_loss_backward_fake(
 @torch.library.register_fake("fusedloss::likelihood_loss_backward_")
 def _likelihood_loss_backward_in_place_fake(
     grad_input: Tensor, grad_target: Tensor, grad_var: Tensor, grad_output: Tensor, input: Tensor, target: Tensor,
-    var: Tensor | None, kind: str, eps: float, reduction: str, expected_grad_output: float = 1.0,
-    history_slot: int = -1,
+    var: Tensor | None, kind: str, eps: float, full: bool, reduction: str, expected_grad_output: float = 1.0,
+    history_slot: int = -1, scale: float = 1.0,
 ) -> None:
     _load_kernels_for(input.device, "likelihood")
 

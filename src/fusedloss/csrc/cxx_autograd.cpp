@@ -43,14 +43,15 @@ using PointwiseBackward = Tensors2(const at::Tensor&, const at::Tensor&, const a
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using OptionalTensor = std::optional<at::Tensor>;
 using Likelihood = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view, double, bool,
-                            c10::string_view, std::array<bool, 3>, double);
+                            c10::string_view, std::array<bool, 3>, double, double);
 using LikelihoodBackward = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                    c10::string_view, double, c10::string_view, std::array<bool, 3>, int64_t, double);
+                                    c10::string_view, double, bool, c10::string_view, std::array<bool, 3>, int64_t,
+                                    double, double);
 using LikelihoodBackwardInPlace = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view,
-                                       double, c10::string_view, double, int64_t);
+                                       double, bool, c10::string_view, double, int64_t, double);
 using LikelihoodGradients = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                     c10::string_view, double, bool, c10::string_view, std::array<bool, 3>);
+                                     c10::string_view, double, bool, c10::string_view, std::array<bool, 3>, double);
 using Weighted = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
                           const OptionalTensor&, double, c10::string_view, double, std::array<bool, 3>, double, bool,
                           int64_t, bool);
@@ -242,6 +243,7 @@ struct LikelihoodLossBackward : Node {
   std::string kind_, reduction_;
   double eps_ = 0.0;
   bool full_ = false;
+  double scale_ = 1.0;
   std::array<bool, 3> forward_mask_ = {false, false, false};
   std::array<at::Tensor, 3> written_;
   bool has_written_ = false;
@@ -271,7 +273,8 @@ struct LikelihoodLossBackward : Node {
     std::array<at::Tensor, 3> out;
     if (at::GradMode::is_enabled()) {  // create_graph: PyTorch's formula, differentiable again
       static const auto op = find_op<LikelihoodGradients>("fusedloss::likelihood_gradients");
-      std::tie(out[0], out[1], out[2]) = op.call(grad, input, target, var, kind_, eps_, full_, reduction_, wanted);
+      std::tie(out[0], out[1], out[2]) =
+          op.call(grad, input, target, var, kind_, eps_, full_, reduction_, wanted, scale_);
     } else {
       static const auto compute = find_op<LikelihoodBackward>("fusedloss::likelihood_loss_backward");
       static const auto correct = find_op<LikelihoodBackwardInPlace>("fusedloss::likelihood_loss_backward_");
@@ -280,11 +283,11 @@ struct LikelihoodLossBackward : Node {
         out = std::move(written_);
         written_ = {};
         has_written_ = false;
-        correct.call(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, reduction_, expected_grad_output_,
-                     history_slot_);
+        correct.call(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, full_, reduction_,
+                     expected_grad_output_, history_slot_, scale_);
       } else {
-        std::tie(out[0], out[1], out[2]) = compute.call(grad, input, target, var, kind_, eps_, reduction_,
-                                                        forward_mask_, history_slot_, expected_grad_output_);
+        std::tie(out[0], out[1], out[2]) = compute.call(grad, input, target, var, kind_, eps_, full_, reduction_,
+                                                        forward_mask_, history_slot_, expected_grad_output_, scale_);
       }
     }
     return {wanted[0] ? out[0] : at::Tensor(), wanted[1] ? out[1] : at::Tensor(),
@@ -294,7 +297,7 @@ struct LikelihoodLossBackward : Node {
 
 at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& var,
                            c10::string_view kind, double eps, bool full, c10::string_view reduction,
-                           int64_t history_slot, double expected_grad_output, bool writes) {
+                           int64_t history_slot, double expected_grad_output, bool writes, double scale) {
   const at::Tensor no_var;
   const at::Tensor& var_or_none = var.has_value() ? *var : no_var;
   check_no_tangents(input, target, "likelihood_loss", var_or_none);
@@ -306,7 +309,7 @@ at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, co
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const std::array<bool, 3> written = {writes && mask[0], writes && mask[1], writes && mask[2]};
-    result = op.call(input, target, var, kind, eps, full, reduction, written, expected_grad_output);
+    result = op.call(input, target, var, kind, eps, full, reduction, written, expected_grad_output, scale);
   }
   at::Tensor out = std::get<0>(result);
   if (mask[0] || mask[1] || mask[2]) {
@@ -320,6 +323,7 @@ at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, co
     node->reduction_ = std::string(reduction);
     node->eps_ = eps;
     node->full_ = full;
+    node->scale_ = scale;
     node->forward_mask_ = mask;
     node->written_ = {std::get<1>(result), std::get<2>(result), std::get<3>(result)};
     node->has_written_ = writes;
@@ -417,6 +421,6 @@ TORCH_LIBRARY(fusedloss_cxx, m) {
         "int weight_kept_dims, bool param_per_element) -> Tensor",
         &weighted_loss);
   m.def("likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
-        "int history_slot, float expected_grad_output, bool writes) -> Tensor",
+        "int history_slot, float expected_grad_output, bool writes, float scale=1.0) -> Tensor",
         &likelihood_loss);
 }

@@ -6,7 +6,7 @@
 
 namespace fusedloss {
 
-// PyTorch's gaussian_nll_loss, and poisson_nll_loss without `full`, of a log rate or a rate.
+// PyTorch's gaussian_nll_loss, and poisson_nll_loss of a log rate or a rate.
 enum class Likelihood : int { kGaussian, kPoissonLogRate, kPoissonRate };
 
 // A mean or sum over `numel` elements of operands of one dtype and one shape, contiguous
@@ -20,7 +20,8 @@ struct LikelihoodProblem {
   int64_t numel;
   double eps;       // the Gaussian's var is clamped at it; the Poisson rate shifted by it
   double constant;  // added to each element's loss: the Gaussian's full term, else 0
-  double scale;     // the reduction's: 1 / numel for a mean, 1 for a sum
+  bool stirling;    // the Poisson loss's full term, Stirling's approximation of log(target!)
+  double scale;     // the reduction's (1 / numel for a mean, 1 for a sum) times the caller's scale
   // The grad_output the forward's gradients are written for (grad_output_prediction.py).
   double expected_grad_output = 1.0;
 };

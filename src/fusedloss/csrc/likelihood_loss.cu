@@ -51,11 +51,27 @@ __device__ __forceinline__ T logarithm(T x) {
 // PyTorch's formulas: for the Gaussian, var clamped at eps (the clamp passes var's gradient
 // through, as PyTorch's does), a negative var NaN (likelihood.py reports it so, where PyTorch's
 // check would wait for the GPU) and NaN kept; for the Poisson loss of a log rate,
-// exp(input) - target input; of a rate, input - target log(input + eps). A gradient's product
-// and sum are one fma, written out: left to the compiler, the forward's pass and backward's
-// could contract them differently, and a gradient predicted in the forward would not have the
-// bits of one computed in backward.
-template <Likelihood kKind, bool kApprox, typename T>
+// exp(input) - target input; of a rate, input - target log(input + eps); with kStirling (the
+// Poisson loss's `full`), plus target log(target) - target + log(2 pi target) / 2 where target
+// > 1 (NaN kept), whose derivative in target is log(target) + 1 / (2 target); as PyTorch's
+// gradient has it, NaN at an infinite target (its product rule's inf / inf, where the loss is
+// NaN too) and at a target <= 0 (the masked term's zero gradient times log(target)). A gradient's
+// product and sum are one fma, written out: left to the compiler, the forward's pass and
+// backward's could contract them differently, and a gradient predicted in the forward would
+// not have the bits of one computed in backward.
+template <bool kApprox, typename T>
+__device__ __forceinline__ void add_stirling(LikelihoodTerms<T>& terms, T t) {
+  if (t <= T(1)) {
+    if (t <= T(0)) terms.d_target = T(NAN);
+    return;
+  }
+  const T log_t = logarithm<kApprox>(t);
+  // log(2 pi target) / 2 from log(target): one logarithm an element
+  terms.loss += t * log_t - t + fma(T(0.5), log_t, T(0.91893853320467274178));
+  terms.d_target = t == T(INFINITY) ? T(NAN) : fma(T(0.5), reciprocal<kApprox>(t), log_t + terms.d_target);
+}
+
+template <Likelihood kKind, bool kApprox, bool kStirling, typename T>
 __device__ __forceinline__ LikelihoodTerms<T> likelihood_terms(T p, T t, T var, T eps, T constant) {
   if constexpr (kKind == Likelihood::kGaussian) {
     const T v = var < T(0) ? T(NAN) : (var < eps ? eps : var);
@@ -66,12 +82,17 @@ __device__ __forceinline__ LikelihoodTerms<T> likelihood_terms(T p, T t, T var, 
   } else if constexpr (kKind == Likelihood::kPoissonLogRate) {
     // exp2 of a product rounded once: within a few ulps of float32, below 16-bit rounding
     const T rate = kApprox ? approximate_exp2(p * 1.44269504088896341f) : exp(p);
-    return {rate - t * p, rate - t, -p, T(0)};
+    LikelihoodTerms<T> terms{rate - t * p, rate - t, -p, T(0)};
+    if constexpr (kStirling) add_stirling<kApprox>(terms, t);
+    return terms;
   } else {
     const T shifted = p + eps;
     const T log_shifted = logarithm<kApprox>(shifted);
-    return {p - t * log_shifted, kApprox ? fma(-t, reciprocal<kApprox>(shifted), T(1)) : T(1) - t / shifted,
-            -log_shifted, T(0)};
+    LikelihoodTerms<T> terms{p - t * log_shifted,
+                             kApprox ? fma(-t, reciprocal<kApprox>(shifted), T(1)) : T(1) - t / shifted, -log_shifted,
+                             T(0)};
+    if constexpr (kStirling) add_stirling<kApprox>(terms, t);
+    return terms;
   }
 }
 
@@ -98,6 +119,7 @@ struct LikelihoodOp {
   S* __restrict__ grad_target;
   S* __restrict__ grad_var;
   T eps, constant, factor;
+  bool stirling;
   double sum;
 
   template <int W>
@@ -107,14 +129,27 @@ struct LikelihoodOp {
     if constexpr (kHasVar) load_chunk(chunk.var, var, first);
   }
 
+  // The Stirling term's test once a chunk, not once an element: the pass without it keeps
+  // its own code (the 16-bit one is near the bound of its arithmetic).
   template <int W>
   __device__ __forceinline__ void apply(const Chunk<W>& chunk, int64_t first) {
+    if constexpr (kHasVar) {
+      apply_terms<false>(chunk, first);
+    } else if (stirling) {
+      apply_terms<true>(chunk, first);
+    } else {
+      apply_terms<false>(chunk, first);
+    }
+  }
+
+  template <bool kStirling, int W>
+  __device__ __forceinline__ void apply_terms(const Chunk<W>& chunk, int64_t first) {
     S gi[W], gt[W], gv[kHasVar ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       T v = T(0);
       if constexpr (kHasVar) v = to_opmath(chunk.var[k]);
-      const LikelihoodTerms<T> terms = likelihood_terms<kKind, sizeof(S) == 2>(
+      const LikelihoodTerms<T> terms = likelihood_terms<kKind, sizeof(S) == 2, kStirling>(
           to_opmath(chunk.input[k]), to_opmath(chunk.target[k]), v, eps, constant);
       if constexpr (kForward) sum += double(terms.loss);
       gi[k] = Convert<S>::from(terms.d_input * factor);
@@ -196,6 +231,7 @@ Op make_likelihood_op(const LikelihoodProblem& p, void* grad_input, void* grad_t
   op.grad_var = static_cast<S*>(grad_var);
   op.eps = T(p.eps);
   op.constant = T(p.constant);
+  op.stirling = p.stirling;
   // as the backward's for this grad_output: the same bits
   op.factor = T(p.scale * double(T(p.expected_grad_output)));
   return op;

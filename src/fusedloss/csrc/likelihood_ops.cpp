@@ -35,7 +35,7 @@ struct LikelihoodOperands {
 
 LikelihoodOperands prepare_likelihood(const Tensor& input, const Tensor& target, const std::optional<Tensor>& var,
                                       const std::string& kind, double eps, bool full, const std::string& reduction,
-                                      double expected_grad_output) {
+                                      double expected_grad_output, double scale) {
   const Likelihood likelihood = parse_likelihood(kind);
   const bool mean = parse_mean(reduction);
   STD_TORCH_CHECK(var.has_value() == (likelihood == Likelihood::kGaussian),
@@ -61,19 +61,21 @@ LikelihoodOperands prepare_likelihood(const Tensor& input, const Tensor& target,
                                   numel,
                                   eps,
                                   full && likelihood == Likelihood::kGaussian ? 0.91893853320467274178 : 0.0,
-                                  mean ? 1.0 / double(numel) : 1.0,
+                                  full && likelihood != Likelihood::kGaussian,
+                                  (mean ? 1.0 / double(numel) : 1.0) * scale,
                                   expected_grad_output};
   return ops;
 }
 
-// The loss (the operands' dtype), and the gradients output_mask asks for (input, target,
-// var), written for expected_grad_output: likelihood_loss_backward_ corrects them for another.
+// The loss times scale (the operands' dtype), and the gradients output_mask asks for (input,
+// target, var), written for expected_grad_output: likelihood_loss_backward_ corrects them for another.
 std::tuple<Tensor, Tensor, Tensor, Tensor> likelihood_loss(Tensor input, Tensor target, std::optional<Tensor> var,
                                                            std::string kind, double eps, bool full,
                                                            std::string reduction, std::vector<bool> output_mask,
-                                                           double expected_grad_output) {
+                                                           double expected_grad_output, double scale) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output);
+  LikelihoodOperands ops =
+      prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output, scale);
   STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
                   "fusedloss: likelihood_loss's output_mask names input, target and var");
   const Shape shape = shape_of(input);
@@ -94,9 +96,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> likelihood_loss(Tensor input, Tensor 
 // empty tensor stands for a gradient not written.
 void likelihood_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor grad_var, Tensor grad_output,
                                Tensor input, Tensor target, std::optional<Tensor> var, std::string kind, double eps,
-                               std::string reduction, double expected_grad_output, int64_t history_slot_index) {
+                               bool full, std::string reduction, double expected_grad_output,
+                               int64_t history_slot_index, double scale) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, false, reduction, expected_grad_output);
+  LikelihoodOperands ops =
+      prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output, scale);
   check_grad_output(grad_output, input, "likelihood_loss_backward_");
   const Tensor go = as_dtype(grad_output, input.scalar_type());
   FUSEDLOSS_CUDA_CHECK(launch_likelihood_backward(
@@ -109,10 +113,12 @@ void likelihood_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor gra
 // noted in history_slot, and whether it was not expected_grad_output (the forward's expectation).
 std::tuple<Tensor, Tensor, Tensor> likelihood_loss_backward(Tensor grad_output, Tensor input, Tensor target,
                                                             std::optional<Tensor> var, std::string kind, double eps,
-                                                            std::string reduction, std::vector<bool> output_mask,
-                                                            int64_t history_slot_index, double expected_grad_output) {
+                                                            bool full, std::string reduction,
+                                                            std::vector<bool> output_mask, int64_t history_slot_index,
+                                                            double expected_grad_output, double scale) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
-  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, false, reduction, expected_grad_output);
+  LikelihoodOperands ops =
+      prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output, scale);
   STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
                   "fusedloss: likelihood_loss_backward's output_mask names input, target and var");
   check_grad_output(grad_output, input, "likelihood_loss_backward");
