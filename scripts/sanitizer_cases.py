@@ -12,7 +12,7 @@ written beside the input's), a weight over leading dimensions of rows of whole
 tiles, and a weight of five runs; reduction='none' backward
 with a grad_output expanded by a sum over some dimensions; per-sample losses (dim=); the Gaussian
 and Poisson NLLs' fused pass (gradients written by the forward, corrected in backward, or
-computed there) for each dtype and size.
+computed there; reduction='none' and its backward) for each dtype and size.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import torch
 
 import fusedloss
-from fusedloss import losses, routing
+from fusedloss import likelihood, losses, routing
 
 # every row of the table of losses, with its number where it has one
 LOSSES = {name: (getattr(fusedloss, row.function), {row.param: 0.5 * row.param_default} if row.param else {})
@@ -154,9 +154,10 @@ def main() -> None:
         cases += 1
     # The NLLs' fused pass, operands of one dtype and shape: the gradients written by the
     # forward for the expected grad_output (corrected, then predicted), and computed in
-    # backward where the forward wrote none.
+    # backward where the forward wrote none; reduction='none' at every size.
+    likelihood.POISSON_WRITTEN_OUT_FROM_BYTES = 0
     for dtype, n, reduction in itertools.product((torch.float32, torch.bfloat16, torch.float16, torch.float64), SIZES,
-                                                 ("mean", "sum")):
+                                                 ("none", "mean", "sum")):
         input, target = operand(n, dtype, 0), operand(n, dtype, 0)
         var = (operand(n, dtype, 0).detach().abs() + 0.1).requires_grad_()
         rate = input.detach().abs().requires_grad_()
@@ -166,7 +167,11 @@ def main() -> None:
         for call, fused_from in itertools.product(calls, (0, 1 << 62)):
             routing.FUSED_GRADIENT_FROM_BYTES = fused_from
             for _ in range(2 if fused_from == 0 else 1):
-                (call() * 0.5).backward()
+                out = call()
+                # 'none': a grad_output per element, and one value expanded
+                out.backward(torch.rand_like(out)) if reduction == "none" else (out * 0.5).backward()
+                if reduction == "none":
+                    call().sum().backward()
                 torch.cuda.synchronize()
             with torch.no_grad():
                 call()

@@ -426,9 +426,13 @@ def test_cuda_eager_takes_the_written_out_route_and_modes_take_pytorchs(name):
         assert "likelihood_loss.default" in _route_ops(lambda: ours(input[:-1], target[:-1]))
         small = _route_ops(lambda: ours(input[:64], target[:64].double()))
         assert "likelihood_loss.default" not in small and "addcmul.default" not in small
+        # reduction='none' takes it from there only, PyTorch's operations below
         none = _route_ops(lambda: fusedloss.poisson_nll_loss(input, target, log_input=name == "poisson",
                                                               reduction="none"))
-        assert "addcmul.default" in none and "likelihood_loss.default" not in none
+        assert "likelihood_pointwise.default" in none and "addcmul.default" not in none
+        none = _route_ops(lambda: fusedloss.poisson_nll_loss(input[:-1], target[:-1], log_input=name == "poisson",
+                                                              reduction="none"))
+        assert "likelihood_pointwise.default" not in none and "addcmul.default" not in none
     else:
         route = _route_ops(lambda: fusedloss.gaussian_nll_loss(input, target, var.expand_as(input).contiguous()))
         assert "likelihood_loss.default" in route and "addcmul.default" not in route
@@ -512,6 +516,10 @@ def _fused(name, input, target, var, reduction, full=False, autograd="python", s
     """The fused pass with one of its autograds, as the GPU's eager route applies it (which
     loads its kernels): ``FusedLikelihood`` ("python") or the C++ autograd's node ("cxx")."""
     build.load("likelihood")
+    if reduction == "none":
+        return likelihood.FusedLikelihoodPointwise.apply(input, target, var if name == "gaussian" else None,
+                                                         _KINDS[name], 1e-6 if name == "gaussian" else 1e-8, full,
+                                                         scale)
     # no history slot, a grad_output of 1 expected, the gradients written in the forward
     args = (input, target, var if name == "gaussian" else None, _KINDS[name], 1e-6 if name == "gaussian" else 1e-8,
             full, reduction, -1, 1.0, True, scale)
@@ -553,17 +561,19 @@ def test_cuda_fused_matches_float64_as_pytorch_does(name, dtype, reduction, grad
 
 @requires_cuda
 @pytest.mark.parametrize("scale", [0.37, 65536.0])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
-def test_cuda_fused_full_and_scale(name, dtype, reduction, scale):
+def test_cuda_fused_full_and_scale(name, dtype, reduction, scale, monkeypatch):
     """The public functions with ``full`` and a number ``scale`` take the fused route
-    (checked): the value and each gradient (grad_output 0.37) against PyTorch's formula in
+    (checked): the value and each gradient (grad_output 0.37; for ``'none'`` one per
+    element, and 0.37 expanded, as a sum's backward brings it) against PyTorch's formula in
     float64 times the scale, within the dtype's tolerance of their largest entry, NaN where
     PyTorch's is (the target's gradient at a count of 0); counts above 1 take the Poisson
     loss's Stirling term and its gradient in the target."""
     input, target, var = _likelihood_operands(name, (301, 129), (dtype,) * 3, "cuda")
     leaves = [t for t in (input, target, var) if t is not None]
+    monkeypatch.setattr(likelihood, "POISSON_WRITTEN_OUT_FROM_BYTES", 0)  # the Poisson 'none' at this size too
 
     def ours():
         if name == "gaussian":
@@ -571,18 +581,56 @@ def test_cuda_fused_full_and_scale(name, dtype, reduction, scale):
         return fusedloss.poisson_nll_loss(input, target, log_input=name == "poisson", full=True, reduction=reduction,
                                           scale=scale)
 
-    assert "likelihood_loss.default" in _route_ops(ours)
+    assert ("likelihood_pointwise.default" if reduction == "none" else "likelihood_loss.default") in _route_ops(ours)
     out = ours()
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     exact = _pytorch(name, *(*leaves64, None)[:3], reduction, full=True) * scale
-    assert out.dtype == dtype
+    assert out.dtype == dtype and out.shape == exact.shape
     rtol, atol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), exact.detach(), rtol=rtol, atol=atol * exact.abs().item())
-    grad_output = torch.tensor(0.37, device="cuda", dtype=dtype)
-    for got, want in zip(torch.autograd.grad(out, leaves, grad_output),
-                         torch.autograd.grad(exact, leaves64, grad_output.double())):
-        largest = want[want.isfinite()].abs().max().item()
-        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol * largest, equal_nan=True)
+    torch.testing.assert_close(out.double(), exact.detach(), rtol=rtol, atol=atol * exact.abs().max().item())
+    grad_outputs = [torch.tensor(0.37, device="cuda", dtype=dtype)]
+    if reduction == "none":
+        grad_outputs = [torch.rand_like(out) + 0.5, grad_outputs[0].expand_as(out)]
+    for grad_output in grad_outputs:
+        for got, want in zip(torch.autograd.grad(out, leaves, grad_output, retain_graph=True),
+                             torch.autograd.grad(exact, leaves64, grad_output.double(), retain_graph=True)):
+            largest = want[want.isfinite()].abs().max().item()
+            torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol * largest, equal_nan=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
+def test_cuda_fused_pointwise_edges(name):
+    """reduction='none' on the fused route: PyTorch's value for each of NaN, inf, 0 and
+    counts at, below and above 1 (with ``full``, and without), for empty operands too; the
+    gradients for a grad_output of ones, materialized and expanded, with the bits of the
+    sum's fused backward; a double backward differentiates PyTorch's formula; the same bits
+    on a second run."""
+    special = [math.nan, math.inf, -math.inf, 0.0, 1.0, 100.0, -100.0, 1e-30]
+    counts = [1.0, 0.0, 2.0, math.nan, math.inf, 3.0, 0.5, 7.0]
+    variances = [1.0, 2.0, 0.5, 1.0, math.inf, 0.0, 1e-9, math.nan]
+    edges = [torch.tensor(v, device="cuda", dtype=torch.float64) for v in (special, counts, variances)]
+    for operands, full in itertools.product((edges, _likelihood_operands(name, (0, 3), (torch.float64,) * 3, "cuda"),
+                                             _likelihood_operands(name, (40, 33), (torch.float64,) * 3, "cuda")),
+                                            (False, True)):
+        leaves = [t.detach().requires_grad_() for t in operands[:3 if name == "gaussian" else 2]]
+        input, target, var = (*leaves, None)[:3]
+        out = _fused(name, input, target, var, "none", full)
+        torch.testing.assert_close(out, _pytorch(name, input, target, var, "none", full), equal_nan=True)
+        _same_bits(out, _fused(name, input, target, var, "none", full))
+        summed = torch.autograd.grad(_fused(name, input, target, var, "sum", full), leaves)
+        for ones in (torch.ones_like(out), torch.ones((), device="cuda", dtype=out.dtype).expand_as(out)):
+            for a, b in zip(torch.autograd.grad(out, leaves, ones, retain_graph=True), summed):
+                _same_bits(a, b)
+        if out.numel():
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out), create_graph=True)
+            expected = _pytorch(name, input, target, var, "none", full)
+            wants = torch.autograd.grad(expected, leaves, torch.ones_like(expected), create_graph=True)
+            for a, b in zip(torch.autograd.grad(grads[0].sum(), leaves, allow_unused=True),
+                            torch.autograd.grad(wants[0].sum(), leaves, allow_unused=True)):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    torch.testing.assert_close(a, b, equal_nan=True)
 
 
 @requires_cuda

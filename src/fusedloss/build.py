@@ -118,7 +118,8 @@ FAMILIES = {
     ),
     "likelihood": Family(
         "likelihood", "likelihood_ops.cpp", ("likelihood_loss.cu",),
-        ("likelihood_loss", "likelihood_loss_backward", "likelihood_loss_backward_"),
+        ("likelihood_loss", "likelihood_loss_backward", "likelihood_loss_backward_", "likelihood_pointwise",
+         "likelihood_pointwise_backward"),
     ),
 }
 OPS = tuple(op for family in FAMILIES.values() for op in family.ops)

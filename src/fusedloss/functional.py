@@ -243,9 +243,10 @@ def gaussian_nll_loss(
     ``torch.any(var < 0)`` does. On the CPU, and for a float ``var``, PyTorch raises its
     ValueError. ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this
     module's docstring. On a GPU, in eager mode, with float32, float64 or bfloat16 operands
-    (float16 under autocast): a mean or sum, times a number ``scale`` where one is given,
-    of operands of one dtype and shape is one fused pass that also writes the gradients;
-    otherwise torch operations in an autograd function with its derivatives written out.
+    (float16 under autocast): the loss of operands of one dtype and shape, times a number
+    ``scale`` where one is given, is one fused pass (that also writes the gradients for a
+    mean or sum; ``reduction='none'`` has a backward pass of its own); otherwise torch
+    operations in an autograd function with its derivatives written out.
     Values and gradients are PyTorch's up to rounding.
     """
     return likelihood.gaussian_nll(input, target, var, full, eps, reduction, weight, scale, dim, keepdim)
@@ -271,9 +272,10 @@ def poisson_nll_loss(
     plus Stirling's approximation of ``log(target!)`` where ``target > 1`` if ``full``.
     ``weight``, ``scale`` and ``dim`` (fusedloss's extensions) as in this module's
     docstring. On a GPU, in eager mode, with float32, float64 or bfloat16 operands (float16
-    under autocast): a mean or sum, times a number ``scale`` where one is given, of operands
-    of one dtype and shape is one fused pass that also writes the gradients, ``full``
-    included; otherwise, without ``full``, from 128 MiB of operands
+    under autocast): the loss of operands of one dtype and shape, times a number ``scale``
+    where one is given, ``full`` included, is one fused pass (that also writes the gradients
+    for a mean or sum; ``reduction='none'`` has a backward pass of its own); otherwise,
+    without ``full``, from 128 MiB of operands
     (``likelihood.POISSON_WRITTEN_OUT_FROM_BYTES``), torch operations in an autograd
     function with its derivatives written out. Values and gradients are PyTorch's up to
     rounding. Everywhere else, PyTorch's own loss.

@@ -11,10 +11,12 @@ autocast too), both losses (the Poisson loss without ``full``) have their deriva
 written out. A mean or sum, times a number ``scale`` where one is given, of operands of
 one dtype and one shape (a var of the input's shape) is one fused pass over the operands
 that also writes their gradients, ``full`` included (``fused_likelihood``: the C++
-autograd's node where it is loaded, else ``FusedLikelihood``). Other shapes and dtypes,
-a weight, a tensor scale, ``dim`` and ``reduction='none'`` take torch
-operations in about half the passes of autograd through PyTorch's formula (the Poisson
-loss from operands of ``POISSON_WRITTEN_OUT_FROM_BYTES``). Their values and gradients are
+autograd's node where it is loaded, else ``FusedLikelihood``); ``reduction='none'`` is one
+pass each way (``FusedLikelihoodPointwise``; the Poisson loss's from operands of
+``POISSON_WRITTEN_OUT_FROM_BYTES``). Other shapes and dtypes, a weight, a tensor scale and
+``dim`` take torch operations in about half the passes of autograd through PyTorch's
+formula (the Poisson loss from operands of ``POISSON_WRITTEN_OUT_FROM_BYTES``). Their
+values and gradients are
 PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewhere (the
 CPU, float16 operands outside autocast, smaller Poisson losses that the fused pass does
 not take, ``full`` Poisson losses outside it, ``torch.compile``, torch.func transforms and
@@ -50,7 +52,7 @@ POISSON_WRITTEN_OUT_FROM_BYTES = routing.FUSED_GRADIENT_FROM_BYTES >> 1
 def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool, eps: float, reduction: str,
                  weight: Tensor | None, scale: float | Tensor | None, dim: Dims, keepdim: bool) -> Tensor:
     plain = weight is None and scale is None and dim is None
-    fused_scale = _fused_scale(scale) if weight is None and dim is None and reduction != "none" else None
+    fused_scale = _fused_scale(scale) if weight is None and dim is None else None
     if not checks_without_sync(input, target, var):
         if plain:
             return F.gaussian_nll_loss(input, target, var, full=full, eps=eps, reduction=reduction)
@@ -198,12 +200,15 @@ class GaussianNll(torch.autograd.Function):
 
 def fused_likelihood(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
                      reduction: str, scale: float = 1.0) -> Tensor:
-    """The fused pass (the mean or sum times ``scale``) with its autograd: the C++ autograd's graph node where it is loaded (a
-    small step then runs no Python in its backward), else ``FusedLikelihood``; the same
-    kernels, values and gradients either way. From ``routing.FUSED_GRADIENT_FROM_BYTES`` of
-    operands, the forward writes the gradients for the grad_output the last backward of the
-    same loss brought (``grad_output_prediction``: a loss scale costs no second pass), and
-    after a misprediction none; below, for a grad_output of 1."""
+    """The fused pass (the mean or sum times ``scale``) with its autograd: the C++ autograd's
+    graph node where it is loaded (a small step then runs no Python in its backward), else
+    ``FusedLikelihood``; the same kernels, values and gradients either way. From
+    ``routing.FUSED_GRADIENT_FROM_BYTES`` of operands, the forward writes the gradients for
+    the grad_output the last backward of the same loss brought (``grad_output_prediction``:
+    a loss scale costs no second pass), and after a misprediction none; below, for a
+    grad_output of 1. ``reduction='none'``: ``FusedLikelihoodPointwise``."""
+    if reduction == "none":
+        return FusedLikelihoodPointwise.apply(input, target, var, kind, eps, full, scale)
     slot, expected, writes = -1, 1.0, True
     if (torch.is_grad_enabled() and (input.requires_grad or target.requires_grad
                                      or (var is not None and var.requires_grad))
@@ -287,6 +292,36 @@ class FusedLikelihood(torch.autograd.Function):
         return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 8
 
 
+class FusedLikelihoodPointwise(torch.autograd.Function):
+    """``FusedLikelihood``'s loss per element (``reduction='none'``) times ``scale``, in one
+    pass (``fusedloss::likelihood_pointwise``); backward is another
+    (``likelihood_pointwise_backward``), reading grad_output where it lies when it is one
+    value expanded (the backward of a sum). A double backward differentiates PyTorch's
+    formula."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+                scale: float) -> Tensor:
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops.fusedloss.likelihood_pointwise(input, target, var, kind, eps, full, scale)
+        ctx.save_for_backward(input, target, var)
+        ctx.arguments = (kind, eps, full, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        input, target, var = ctx.saved_tensors
+        kind, eps, full, scale = ctx.arguments
+        wanted = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph: PyTorch's formula, differentiable again
+            return likelihood_gradients(grad_output, input, target, var, kind, eps, full, "none", wanted,
+                                        scale) + (None,) * 4
+        with torch._C._AutoDispatchBelowAutograd():
+            grads = torch.ops.fusedloss.likelihood_pointwise_backward(grad_output, input, target, var, kind, eps, full,
+                                                                      [bool(w) for w in wanted], scale)
+        return tuple(g if w else None for g, w in zip(grads, wanted)) + (None,) * 4
+
+
 class PoissonNll(torch.autograd.Function):
     """PyTorch's Poisson NLL without ``full``, with its derivatives written out: for a log
     rate (``log_input``), exp(input) - target input per element, exp(input) - target for
@@ -339,17 +374,22 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
                 keepdim: bool) -> Tensor:
     kind = "poisson" if log_input else "poisson_rate"
     written_out = None
-    if isinstance(input, Tensor) and isinstance(target, Tensor):
-        # the fused pass takes a mean or sum (times a number) of operands of one shape and dtype at every size
+    # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
+    large = (isinstance(input, Tensor) and isinstance(target, Tensor)
+             and 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES)
+    # the fused pass takes operands of one shape and dtype, times a number, a mean or sum at every size
+    # and reduction='none' from the threshold on (below it the step is bound by the host, where its
+    # Python function costs more than PyTorch's operations)
+    if large or (reduction in ("mean", "sum") and isinstance(input, Tensor) and isinstance(target, Tensor)):
         fusable = (weight is None and dim is None and size_average is None and reduce is None
-                   and reduction in ("mean", "sum") and input.shape == target.shape and input.dtype == target.dtype
+                   and reduction in routing.MODES and input.shape == target.shape and input.dtype == target.dtype
                    and (fused_scale := _fused_scale(scale)) is not None)
-        # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
-        if fusable or (not full and 8 * (input.numel() + target.numel()) >= POISSON_WRITTEN_OUT_FROM_BYTES):
+        if fusable or (not full and large):
             autocast = routing.under_autocast(input, target)
             # the bytes of the operands as computed (autocast's float32 copies), before making any
             computed_bytes = sum(t.numel() * (4 if autocast and t.dtype in routing.SIXTEEN_BIT else t.element_size())
                                  for t in (input, target))
+            fusable = fusable and (reduction != "none" or computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES)
             if fusable or computed_bytes >= POISSON_WRITTEN_OUT_FROM_BYTES:
                 computed = ops.as_computed(input, target, autocast)
                 if _written_out_applies(*computed):
@@ -371,7 +411,7 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
     if written_out is not None:
         input, target = written_out
         if weight is None and scale is None and dim is None:
-            if reduction != "none" and _fused_applies(input, target):  # legacy arguments' mean or sum
+            if _fused_applies(input, target):  # legacy arguments' reduction
                 return fused_likelihood(input, target, None, kind, eps, False, reduction)
             return PoissonNll.apply(input, target, log_input, eps, reduction)
         per_element = PoissonNll.apply(input, target, log_input, eps, "none")

@@ -71,8 +71,10 @@ broadcast shape and autograd sums them to each operand's own shape.
   (decided on the GPU), ``likelihood_loss_backward`` computes them where the forward
   wrote none; both note grad_output in ``likelihood_grad_output_history``. CUDA only:
   their autograd is ``likelihood.FusedLikelihood`` (or the C++ autograd's node).
-  ``likelihood_gradients``: their gradients as PyTorch's formula gives them, which
-  autograd can differentiate again (``create_graph=True``).
+  ``likelihood_pointwise`` / ``likelihood_pointwise_backward``: ``reduction='none'``'s
+  loss per element times ``scale``, and its gradients for a grad_output of the loss's shape,
+  each one pass. ``likelihood_gradients``: their gradients as PyTorch's formula gives them,
+  which autograd can differentiate again (``create_graph=True``).
 
 With ``autocast``, the losses compute what CUDA autocast computes: 16-bit
 operands as float32 (these losses are on its float32 list), a float32 loss,
@@ -161,6 +163,14 @@ _lib.define(
     "likelihood_loss_backward_(Tensor(a!) grad_input, Tensor(b!) grad_target, Tensor(c!) grad_var, "
     "Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
     "float expected_grad_output=1.0, int history_slot=-1, float scale=1.0) -> ()"
+)
+_lib.define(
+    "likelihood_pointwise(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, "
+    "float scale=1.0) -> Tensor"
+)
+_lib.define(
+    "likelihood_pointwise_backward(Tensor grad_output, Tensor input, Tensor target, Tensor? var, str kind, "
+    "float eps, bool full, bool[3] output_mask, float scale=1.0) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define("likelihood_grad_output_history() -> Tensor")
 _lib.define(
@@ -339,6 +349,22 @@ def _likelihood_loss_backward_fake(
     grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
     reduction: str, output_mask: Sequence[bool], history_slot: int = -1, expected_grad_output: float = 1.0,
     scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _load_kernels_for(input.device, "likelihood")
+    return tuple(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)
+
+
+@torch.library.register_fake("fusedloss::likelihood_pointwise")
+def _likelihood_pointwise_fake(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+                               scale: float = 1.0) -> Tensor:
+    _load_kernels_for(input.device, "likelihood")
+    return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("fusedloss::likelihood_pointwise_backward")
+def _likelihood_pointwise_backward_fake(
+    grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+    output_mask: Sequence[bool], scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _load_kernels_for(input.device, "likelihood")
     return tuple(_grad_buffer(wanted, input, input.shape) for wanted in output_mask)

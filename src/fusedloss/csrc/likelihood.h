@@ -9,8 +9,8 @@ namespace fusedloss {
 // PyTorch's gaussian_nll_loss, and poisson_nll_loss of a log rate or a rate.
 enum class Likelihood : int { kGaussian, kPoissonLogRate, kPoissonRate };
 
-// A mean or sum over `numel` elements of operands of one dtype and one shape, contiguous
-// and 16-byte aligned; `var` for the Gaussian only.
+// A mean or sum (or, pointwise, each element) over `numel` elements of operands of one dtype
+// and one shape, contiguous and 16-byte aligned; `var` for the Gaussian only.
 struct LikelihoodProblem {
   Likelihood kind;
   DType input_dtype;  // every operand's, and the loss's (shards.h dispatches on it)
@@ -21,7 +21,7 @@ struct LikelihoodProblem {
   double eps;       // the Gaussian's var is clamped at it; the Poisson rate shifted by it
   double constant;  // added to each element's loss: the Gaussian's full term, else 0
   bool stirling;    // the Poisson loss's full term, Stirling's approximation of log(target!)
-  double scale;     // the reduction's (1 / numel for a mean, 1 for a sum) times the caller's scale
+  double scale;     // the reduction's (1 / numel for a mean, else 1) times the caller's scale
   // The grad_output the forward's gradients are written for (grad_output_prediction.py).
   double expected_grad_output = 1.0;
 };
@@ -42,5 +42,13 @@ cudaError_t launch_likelihood_loss(const LikelihoodProblem& problem, double* par
 cudaError_t launch_likelihood_backward(const LikelihoodProblem& problem, const void* grad_output,
                                        const BackwardOptions& options, void* grad_input, void* grad_target,
                                        void* grad_var, cudaStream_t stream);
+// reduction='none': the loss per element times the problem's scale into `out` (the operands'
+// dtype and shape).
+cudaError_t launch_likelihood_pointwise(const LikelihoodProblem& problem, void* out, cudaStream_t stream);
+// Its backward for a grad_output of the loss's shape, contiguous: each gradient whose pointer
+// is set, times the scale and the element's grad_output.
+cudaError_t launch_likelihood_pointwise_backward(const LikelihoodProblem& problem, const void* grad_output,
+                                                 void* grad_input, void* grad_target, void* grad_var,
+                                                 cudaStream_t stream);
 
 FUSEDLOSS_KERNELS_END

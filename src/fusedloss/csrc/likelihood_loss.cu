@@ -1,7 +1,9 @@
 // The Gaussian and Poisson negative log-likelihoods (likelihood.h): a mean or sum in one
 // pass that also writes the operands' gradients for the grad_output expected, and the
-// backward that recomputes them in place where grad_output is another. Every operand has the
-// loss's dtype and shape; the math is float32 (float64 for float64 operands).
+// backward that recomputes them in place where grad_output is another; the loss per element
+// (reduction='none') in one pass, and its backward for a grad_output per element in another.
+// Every operand has the loss's dtype and shape; the math is float32 (float64 for float64
+// operands).
 #include <cmath>
 #include <type_traits>
 
@@ -97,8 +99,10 @@ __device__ __forceinline__ LikelihoodTerms<T> likelihood_terms(T p, T t, T var, 
 }
 
 // The tile walk's op (elementwise.cuh): the loss summed (kForward) and each gradient whose
-// pointer is set, times `factor` (the reduction's scale times grad_output), rounded once.
-template <Likelihood kKind, typename S, bool kForward>
+// pointer is set, times `factor` (the reduction's scale times grad_output), rounded once;
+// with kPointwise, the loss per element times `factor` (the scale) into `loss_out`
+// (kForward), or each gradient times `factor` times the element's grad_output.
+template <Likelihood kKind, typename S, bool kForward, bool kPointwise = false>
 struct LikelihoodOp {
   using T = std::conditional_t<std::is_same_v<S, double>, double, float>;
   static constexpr bool kHasVar = kKind == Likelihood::kGaussian;
@@ -107,9 +111,10 @@ struct LikelihoodOp {
   static constexpr int kChunksInFlight = 2;
   static constexpr int kBlocksPerSm = 4;
 
+  static constexpr bool kReadsGradOutput = kPointwise && !kForward;
   template <int W>
   struct Chunk {
-    S input[W], target[W], var[kHasVar ? W : 1];
+    S input[W], target[W], var[kHasVar ? W : 1], grad_output[kReadsGradOutput ? W : 1];
   };
 
   const S* __restrict__ input;
@@ -118,6 +123,8 @@ struct LikelihoodOp {
   S* __restrict__ grad_input;
   S* __restrict__ grad_target;
   S* __restrict__ grad_var;
+  S* __restrict__ loss_out;
+  const S* __restrict__ grad_output;
   T eps, constant, factor;
   bool stirling;
   double sum;
@@ -127,6 +134,7 @@ struct LikelihoodOp {
     load_chunk(chunk.input, input, first);
     load_chunk(chunk.target, target, first);
     if constexpr (kHasVar) load_chunk(chunk.var, var, first);
+    if constexpr (kReadsGradOutput) load_chunk(chunk.grad_output, grad_output, first);
   }
 
   // The Stirling term's test once a chunk, not once an element: the pass without it keeps
@@ -144,17 +152,27 @@ struct LikelihoodOp {
 
   template <bool kStirling, int W>
   __device__ __forceinline__ void apply_terms(const Chunk<W>& chunk, int64_t first) {
-    S gi[W], gt[W], gv[kHasVar ? W : 1];
+    S gi[W], gt[W], gv[kHasVar ? W : 1], losses[kPointwise && kForward ? W : 1];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       T v = T(0);
       if constexpr (kHasVar) v = to_opmath(chunk.var[k]);
       const LikelihoodTerms<T> terms = likelihood_terms<kKind, sizeof(S) == 2, kStirling>(
           to_opmath(chunk.input[k]), to_opmath(chunk.target[k]), v, eps, constant);
+      if constexpr (kPointwise && kForward) {
+        losses[k] = Convert<S>::from(terms.loss * factor);
+        continue;
+      }
       if constexpr (kForward) sum += double(terms.loss);
-      gi[k] = Convert<S>::from(terms.d_input * factor);
-      gt[k] = Convert<S>::from(terms.d_target * factor);
-      if constexpr (kHasVar) gv[k] = Convert<S>::from(terms.d_var * factor);
+      T times = factor;
+      if constexpr (kReadsGradOutput) times *= to_opmath(chunk.grad_output[k]);
+      gi[k] = Convert<S>::from(terms.d_input * times);
+      gt[k] = Convert<S>::from(terms.d_target * times);
+      if constexpr (kHasVar) gv[k] = Convert<S>::from(terms.d_var * times);
+    }
+    if constexpr (kPointwise && kForward) {
+      store_chunk(loss_out, first, losses);
+      return;
     }
     if (grad_input != nullptr) store_chunk(grad_input, first, gi);
     if (grad_target != nullptr) store_chunk(grad_target, first, gt);
@@ -282,6 +300,37 @@ cudaError_t launch_likelihood_backward(const LikelihoodProblem& p, const void* g
         op, p.numel, tiles, static_cast<const S*>(grad_output), p.scale, p.expected_grad_output, options.history,
         options.correct_in_place);
     return cudaGetLastError();
+  });
+}
+
+// One tile a block (kernels.cuh's elementwise_kernel); set_pointers(op, S{}) sets the
+// op's outputs and, backward, its grad_output.
+template <bool kForward, class SetPointers>
+cudaError_t launch_pointwise_pass(const LikelihoodProblem& p, cudaStream_t stream, SetPointers&& set_pointers) {
+  return with_likelihood(p, [&](auto kind, auto s) {
+    using S = decltype(s);
+    using Op = LikelihoodOp<decltype(kind)::value, S, kForward, true>;
+    const int64_t tiles = num_tiles<Op>(p.numel);
+    if (tiles == 0) return cudaSuccess;
+    Op op = make_likelihood_op<Op, S>(p, nullptr, nullptr, nullptr);
+    set_pointers(op, s);
+    elementwise_kernel<Op><<<tiles, kBlockThreads, 0, stream>>>(op, p.numel);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_likelihood_pointwise(const LikelihoodProblem& p, void* out, cudaStream_t stream) {
+  return launch_pointwise_pass<true>(p, stream, [&](auto& op, auto s) { op.loss_out = static_cast<decltype(s)*>(out); });
+}
+
+cudaError_t launch_likelihood_pointwise_backward(const LikelihoodProblem& p, const void* grad_output, void* grad_input,
+                                                 void* grad_target, void* grad_var, cudaStream_t stream) {
+  return launch_pointwise_pass<false>(p, stream, [&](auto& op, auto s) {
+    using S = decltype(s);
+    op.grad_input = static_cast<S*>(grad_input);
+    op.grad_target = static_cast<S*>(grad_target);
+    op.grad_var = static_cast<S*>(grad_var);
+    op.grad_output = static_cast<const S*>(grad_output);
   });
 }
 

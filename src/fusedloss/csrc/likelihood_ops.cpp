@@ -16,6 +16,12 @@ FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_backward,
                          (const LikelihoodProblem& problem, const void* grad_output, const BackwardOptions& options,
                           void* grad_input, void* grad_target, void* grad_var, cudaStream_t stream),
                          (problem, grad_output, options, grad_input, grad_target, grad_var, stream))
+FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_pointwise,
+                         (const LikelihoodProblem& problem, void* out, cudaStream_t stream), (problem, out, stream))
+FUSEDLOSS_SHARD_DISPATCH(cudaError_t, launch_likelihood_pointwise_backward,
+                         (const LikelihoodProblem& problem, const void* grad_output, void* grad_input,
+                          void* grad_target, void* grad_var, cudaStream_t stream),
+                         (problem, grad_output, grad_input, grad_target, grad_var, stream))
 
 namespace {
 
@@ -34,10 +40,9 @@ struct LikelihoodOperands {
 };
 
 LikelihoodOperands prepare_likelihood(const Tensor& input, const Tensor& target, const std::optional<Tensor>& var,
-                                      const std::string& kind, double eps, bool full, const std::string& reduction,
+                                      const std::string& kind, double eps, bool full, bool mean,
                                       double expected_grad_output, double scale) {
   const Likelihood likelihood = parse_likelihood(kind);
-  const bool mean = parse_mean(reduction);
   STD_TORCH_CHECK(var.has_value() == (likelihood == Likelihood::kGaussian),
                   "fusedloss: the Gaussian likelihood takes a var, the Poisson ones none");
   const ScalarType dtype = input.scalar_type();
@@ -75,7 +80,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> likelihood_loss(Tensor input, Tensor 
                                                            double expected_grad_output, double scale) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   LikelihoodOperands ops =
-      prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output, scale);
+      prepare_likelihood(input, target, var, kind, eps, full, parse_mean(reduction), expected_grad_output, scale);
   STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
                   "fusedloss: likelihood_loss's output_mask names input, target and var");
   const Shape shape = shape_of(input);
@@ -100,7 +105,7 @@ void likelihood_loss_backward_(Tensor grad_input, Tensor grad_target, Tensor gra
                                int64_t history_slot_index, double scale) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   LikelihoodOperands ops =
-      prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output, scale);
+      prepare_likelihood(input, target, var, kind, eps, full, parse_mean(reduction), expected_grad_output, scale);
   check_grad_output(grad_output, input, "likelihood_loss_backward_");
   const Tensor go = as_dtype(grad_output, input.scalar_type());
   FUSEDLOSS_CUDA_CHECK(launch_likelihood_backward(
@@ -118,7 +123,7 @@ std::tuple<Tensor, Tensor, Tensor> likelihood_loss_backward(Tensor grad_output, 
                                                             double expected_grad_output, double scale) {
   const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
   LikelihoodOperands ops =
-      prepare_likelihood(input, target, var, kind, eps, full, reduction, expected_grad_output, scale);
+      prepare_likelihood(input, target, var, kind, eps, full, parse_mean(reduction), expected_grad_output, scale);
   STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
                   "fusedloss: likelihood_loss_backward's output_mask names input, target and var");
   check_grad_output(grad_output, input, "likelihood_loss_backward");
@@ -134,12 +139,58 @@ std::tuple<Tensor, Tensor, Tensor> likelihood_loss_backward(Tensor grad_output, 
   return {grad_input, grad_target, grad_var};
 }
 
+// reduction='none': the loss per element times scale (the operands' dtype and shape).
+Tensor likelihood_pointwise(Tensor input, Tensor target, std::optional<Tensor> var, std::string kind, double eps,
+                            bool full, double scale) {
+  const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, full, false, 1.0, scale);
+  Tensor out = empty(shape_of(input), input.scalar_type(), input);
+  FUSEDLOSS_CUDA_CHECK(launch_likelihood_pointwise(ops.problem, out.data_ptr(), current_stream(input)));
+  return out;
+}
+
+// Its backward: the gradients output_mask asks for, for a grad_output of the loss's shape.
+// One value expanded to it (the backward of a sum) is read once, by the reduction's backward.
+std::tuple<Tensor, Tensor, Tensor> likelihood_pointwise_backward(Tensor grad_output, Tensor input, Tensor target,
+                                                                 std::optional<Tensor> var, std::string kind,
+                                                                 double eps, bool full,
+                                                                 std::vector<bool> output_mask, double scale) {
+  const torch::stable::accelerator::DeviceGuard guard(input.get_device_index());
+  LikelihoodOperands ops = prepare_likelihood(input, target, var, kind, eps, full, false, 1.0, scale);
+  STD_TORCH_CHECK(output_mask.size() == 3 && (var.has_value() || !output_mask[2]),
+                  "fusedloss: likelihood_pointwise_backward's output_mask names input, target and var");
+  const Shape shape = shape_of(input);
+  const ScalarType dtype = input.scalar_type();
+  STD_TORCH_CHECK(same_device(grad_output, input) && shape_of(grad_output) == shape,
+                  "fusedloss: likelihood_pointwise_backward takes a grad_output of the loss's shape on its device");
+  Tensor go = as_dtype(grad_output, dtype);
+  bool one_value = go.numel() > 0;
+  for (const int64_t stride : go.strides()) one_value = one_value && stride == 0;
+  Tensor grad_input = maybe_grad_buffer(output_mask[0], shape, dtype, input);
+  Tensor grad_target = maybe_grad_buffer(output_mask[1], shape, dtype, input);
+  Tensor grad_var = maybe_grad_buffer(output_mask[2], shape, dtype, input);
+  if (one_value) {
+    go = as_strided(go, {1}, {1});
+    FUSEDLOSS_CUDA_CHECK(launch_likelihood_backward(ops.problem, go.data_ptr(), backward_options(-1, false),
+                                                    data_or_null(grad_input), data_or_null(grad_target),
+                                                    data_or_null(grad_var), current_stream(input)));
+  } else {
+    go = as_kernel_layout(go);
+    FUSEDLOSS_CUDA_CHECK(launch_likelihood_pointwise_backward(ops.problem, go.data_ptr(), data_or_null(grad_input),
+                                                              data_or_null(grad_target), data_or_null(grad_var),
+                                                              current_stream(input)));
+  }
+  return {grad_input, grad_target, grad_var};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(fusedloss, CUDA, m) {
   m.impl("likelihood_loss", TORCH_BOX(&likelihood_loss));
   m.impl("likelihood_loss_backward_", TORCH_BOX(&likelihood_loss_backward_));
   m.impl("likelihood_loss_backward", TORCH_BOX(&likelihood_loss_backward));
+  m.impl("likelihood_pointwise", TORCH_BOX(&likelihood_pointwise));
+  m.impl("likelihood_pointwise_backward", TORCH_BOX(&likelihood_pointwise_backward));
 }
 
 // No tensor argument to dispatch on.
