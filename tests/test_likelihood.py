@@ -598,6 +598,45 @@ def test_cuda_fused_full_and_scale(name, dtype, reduction, scale, monkeypatch):
             torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol * largest, equal_nan=True)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
+def test_fused_operators_match_pytorch(device, name):
+    """The fused operators (the CPU kernels that DTensor ranks on the CPU run, and the CUDA
+    ones) called directly: PyTorch's values and gradients (float64 operands with NaN, inf, 0
+    and counts about 1 among them; the var at and below eps, not negative, where PyTorch's CPU
+    raises), every reduction, with and without ``full``, a scale of 0.37, the forward's
+    gradients for an expected grad_output of 2, and the backward's for another."""
+    ops_ = torch.ops.fusedloss
+    if device == "cuda":
+        build.load("likelihood")
+    special = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1.0, 100.0, -100.0, 1e-30], dtype=torch.float64)
+    counts = torch.tensor([1.0, 0.0, 2.0, math.nan, math.inf, 3.0, 0.5, 7.0], dtype=torch.float64)
+    variances = torch.tensor([1.0, 2.0, 0.5, 1.0, math.inf, 0.0, 1e-9, math.nan], dtype=torch.float64)
+    operands = _likelihood_operands(name, (40, 33), (torch.float64,) * 3, "cpu")
+    kind, eps = _KINDS[name], 1e-6 if name == "gaussian" else 1e-8
+    for (x, t, v), full, reduction in itertools.product(((special, counts, variances), operands), (False, True),
+                                                        ("none", "mean", "sum")):
+        leaves = [a.detach().to(device).requires_grad_() for a in (x, t, v)[:3 if name == "gaussian" else 2]]
+        input, target, var = (*leaves, None)[:3]
+        expected = _pytorch(name, input, target, var, reduction, full) * 0.37
+        detached = [a.detach() for a in (input, target)] + [None if var is None else var.detach()]
+        mask = [True, True, var is not None]
+        if reduction == "none":
+            out = ops_.likelihood_pointwise(*detached, kind, eps, full, 0.37)
+            go = torch.rand_like(out) + 0.5
+            grads = ops_.likelihood_pointwise_backward(go, *detached, kind, eps, full, mask, 0.37)
+        else:
+            out, *written = ops_.likelihood_loss(*detached, kind, eps, full, reduction, mask, 2.0, 0.37)
+            go = torch.tensor(3.0, dtype=out.dtype, device=device)
+            grads = ops_.likelihood_loss_backward(go, *detached, kind, eps, full, reduction, mask, -1, 2.0, 0.37)
+            for a, b in zip(written, torch.autograd.grad(expected, leaves, torch.full_like(expected, 2.0),
+                                                         retain_graph=True)):
+                torch.testing.assert_close(a, b, equal_nan=True)
+        torch.testing.assert_close(out, expected.detach(), equal_nan=True)
+        for a, b in zip(grads, torch.autograd.grad(expected, leaves, go)):
+            torch.testing.assert_close(a, b, equal_nan=True)
+
+
 @requires_cuda
 @pytest.mark.parametrize("name", ["poisson", "poisson rate", "gaussian"])
 def test_cuda_fused_pointwise_edges(name):

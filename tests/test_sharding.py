@@ -226,6 +226,48 @@ def _other_losses_worker(rank, device, init_file, results_dir):
                 failures.append(f"{name} {reduction} Shard({dim}): {type(error).__name__}: {str(error)[:400]}")
 
 
+def _likelihood_worker(rank, device, init_file, results_dir):
+    """The Gaussian and Poisson NLLs of operands of one shape on DTensors take their fused
+    operators through the rules (checked by the autograd node): against full tensors,
+    values and the gradients of input, target and var, sharded unevenly along each dimension
+    or replicated, every reduction, with and without ``full``, a number scale too."""
+    with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        import fusedloss
+        x, y, var = torch.randn(SHAPE), torch.randn(SHAPE), torch.rand(SHAPE) + 0.5
+        counts = torch.poisson(torch.rand(SHAPE) * 4)
+        calls = {
+            "gaussian": lambda a, b, v, r, full, s: fusedloss.gaussian_nll_loss(a, b, v, full=full, reduction=r,
+                                                                               scale=s),
+            "poisson": lambda a, b, v, r, full, s: fusedloss.poisson_nll_loss(a, b, full=full, reduction=r, scale=s),
+            "poisson rate": lambda a, b, v, r, full, s: fusedloss.poisson_nll_loss(a.abs(), b, log_input=False,
+                                                                                  full=full, reduction=r, scale=s),
+        }
+        placements = [Shard(0), Shard(1), Shard(2), Replicate()]
+        for (name, call), reduction, placement, full, scale in itertools.product(
+                calls.items(), ["none", "mean", "sum"], placements, [False, True], [None, 0.5]):
+            try:
+                target = y if name == "gaussian" else counts
+                full_leaves = [t.clone().requires_grad_() for t in (x, target, var)]
+                sharded = [distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (x, target, var)]
+                out, expected = call(*sharded, reduction, full, scale), call(*full_leaves, reduction, full, scale)
+                node = "FusedLikelihoodPointwiseBackward" if reduction == "none" else "FusedLikelihoodBackward"
+                assert out.grad_fn.name() == node, out.grad_fn.name()
+                torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-5)
+                g = torch.randn(expected.shape, generator=torch.Generator(expected.device).manual_seed(1),
+                                device=expected.device)
+                wrt = 3 if name == "gaussian" else 2
+                got = torch.autograd.grad((out.full_tensor() * g).sum(), sharded[:wrt])
+                want = torch.autograd.grad((expected * g).sum(), full_leaves[:wrt])
+                for a, b in zip(got, want):
+                    assert a.placements == (placement,)
+                    torch.testing.assert_close(a.full_tensor(), b, rtol=2e-5, atol=2e-5, equal_nan=True)
+            except Exception as error:  # each failure is a result; the ranks keep in step
+                failures.append(f"{name} {reduction} {placement} full={full} scale={scale}: "
+                                f"{type(error).__name__}: {str(error)[:400]}")
+
+
 def _unfused_worker(rank, device, init_file, results_dir):
     """Where the kernels do not apply (on the CPU without fusedloss's operators, under
     torch.compile, a torch.func transform, an unsupported dtype), a DTensor goes to torch
@@ -417,6 +459,12 @@ def test_calls_unlike_in_non_tensor_arguments_get_their_own_placements(tmp_path,
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_losses_beside_the_table_take_dtensors(tmp_path, device):
     _spawn_two_ranks(_other_losses_worker, device, tmp_path)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_nlls_take_their_fused_operators_on_dtensors(tmp_path, device):
+    _spawn_two_ranks(_likelihood_worker, device, tmp_path)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")

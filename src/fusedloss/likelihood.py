@@ -20,12 +20,14 @@ values and gradients are
 PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewhere (the
 CPU, float16 operands outside autocast, smaller Poisson losses that the fused pass does
 not take, ``full`` Poisson losses outside it, ``torch.compile``, torch.func transforms and
-forward-mode AD, tensor subclasses) the losses are PyTorch's own operations.
+forward-mode AD, tensor subclasses) the losses are PyTorch's own operations; but DTensors
+of one shape and dtype take the fused operators on each rank's shards (``_sharded``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +53,9 @@ POISSON_WRITTEN_OUT_FROM_BYTES = routing.FUSED_GRADIENT_FROM_BYTES >> 1
 
 def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool, eps: float, reduction: str,
                  weight: Tensor | None, scale: float | Tensor | None, dim: Dims, keepdim: bool) -> Tensor:
+    if weight is None and dim is None and (out := _sharded(input, target, var, "gaussian", eps, full, reduction,
+                                                          scale)) is not None:
+        return out
     plain = weight is None and scale is None and dim is None
     fused_scale = _fused_scale(scale) if weight is None and dim is None else None
     if not checks_without_sync(input, target, var):
@@ -71,6 +76,27 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
         if plain:
             return per_element if reduction == "none" else reductions.reduce(per_element, reduction, None, None)
     return reductions.reduce(per_element, reduction, weight, scale, dim, keepdim)
+
+
+def _sharded(input: Tensor, target: Tensor, var: Tensor | float | None, kind: str, eps: float, full: bool,
+             reduction: str, scale: float | Tensor | None) -> Tensor | None:
+    """DTensor operands that ``sharding.likelihood_applies`` takes: the fused operators on
+    each rank's shards, through their sharding rules. A mean is a sum scaled by one over the
+    global count, which uneven shards add up to. None where they do not apply."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None or not isinstance(input, dtensor) or reduction not in routing.MODES:
+        return None
+    from . import sharding  # imported with the first DTensor: it registers the operators' rules
+
+    fused_scale = _fused_scale(scale)
+    if fused_scale is None or not sharding.likelihood_applies(input, target, var):
+        return None
+    if reduction == "none":
+        return FusedLikelihoodPointwise.apply(input, target, var, kind, eps, full, fused_scale)
+    if reduction == "mean":
+        fused_scale = reductions.mean_factor(fused_scale, input.numel())
+    # the forward writes no gradient: the in-place correction of one has no rule
+    return FusedLikelihood.apply(input, target, var, kind, eps, full, "sum", -1, 1.0, False, fused_scale)
 
 
 def _fused_scale(scale: float | Tensor | None) -> float | None:
@@ -250,6 +276,96 @@ def _likelihood_gradients_op(grad_output: Tensor, input: Tensor, target: Tensor,
     return tuple(input.new_empty((0,)) if g is None else g for g in grads)
 
 
+# ---- the fused operators' CPU kernels: the CUDA kernels' math, per element ----------------------
+
+
+def _terms(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float,
+           full: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Each element's loss and its derivatives in input, target and var, as the CUDA kernels
+    compute them (``csrc/likelihood_loss.cu``), in float32 (float64 for float64 operands): a
+    reference for tests and for DTensor ranks on the CPU."""
+    math_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
+    p, t = input.to(math_dtype), target.to(math_dtype)
+    if kind == "gaussian":
+        v = var.to(math_dtype)
+        v = torch.where(v < 0, math.nan, torch.where(v < eps, eps, v))
+        d = p - t
+        q = d / v
+        loss = 0.5 * (torch.log(v) + d * q) + (_HALF_LOG_TWO_PI if full else 0.0)
+        return loss, q, -q, 0.5 * (1 / v - q * q)
+    if kind == "poisson":
+        rate = torch.exp(p)
+        loss, d_input, d_target = rate - t * p, rate - t, -p
+    else:
+        shifted = p + eps
+        log_shifted = torch.log(shifted)
+        loss, d_input, d_target = p - t * log_shifted, 1 - t / shifted, -log_shifted
+    if full:
+        # where target > 1 (NaN kept); PyTorch's gradient is NaN at a target <= 0 and an infinite one
+        counted = ~(t <= 1)
+        log_t = torch.log(torch.where(counted, t, 1.0))
+        loss = loss + torch.where(counted, t * log_t - t + 0.5 * log_t + _HALF_LOG_TWO_PI, 0.0)
+        d_target = torch.where(counted, torch.where(t == math.inf, math.nan, d_target + log_t + 0.5 / t),
+                               torch.where(t <= 0, math.nan, d_target))
+    return loss, d_input, d_target, None
+
+
+def _scaled_gradients(terms: tuple, times: Tensor | float, output_mask: Sequence[bool],
+                      like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The derivatives output_mask asks for times `times`, in the operands' dtype (empty for the others)."""
+    return tuple((d * times).to(like.dtype) if wanted and d is not None else like.new_empty((0,))
+                 for d, wanted in zip(terms[1:], output_mask))
+
+
+@torch.library.impl("fusedloss::likelihood_loss", "CPU")
+def _likelihood_loss_cpu(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+                         reduction: str, output_mask: Sequence[bool], expected_grad_output: float = 1.0,
+                         scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    terms = _terms(input, target, var, kind, eps, full)
+    factor = reductions.mean_factor(scale, input.numel()) if reduction == "mean" else scale
+    out = (terms[0].sum(dtype=torch.float64) * factor).to(input.dtype)
+    return (out, *_scaled_gradients(terms, factor * expected_grad_output, output_mask, input))
+
+
+@torch.library.impl("fusedloss::likelihood_loss_backward", "CPU")
+def _likelihood_loss_backward_cpu(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
+                                  eps: float, full: bool, reduction: str, output_mask: Sequence[bool],
+                                  history_slot: int = -1, expected_grad_output: float = 1.0,
+                                  scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    factor = reductions.mean_factor(scale, input.numel()) if reduction == "mean" else scale
+    times = grad_output.reshape(()).to(torch.float64) * factor
+    return _scaled_gradients(_terms(input, target, var, kind, eps, full), times, output_mask, input)
+
+
+@torch.library.impl("fusedloss::likelihood_loss_backward_", "CPU")
+def _likelihood_loss_backward_in_place_cpu(grad_input: Tensor, grad_target: Tensor, grad_var: Tensor,
+                                           grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None,
+                                           kind: str, eps: float, full: bool, reduction: str,
+                                           expected_grad_output: float = 1.0, history_slot: int = -1,
+                                           scale: float = 1.0) -> None:
+    # recomputed whatever grad_output is: the host knows it here
+    written = (grad_input, grad_target, grad_var)
+    grads = _likelihood_loss_backward_cpu(grad_output, input, target, var, kind, eps, full, reduction,
+                                          [g.numel() > 0 for g in written], scale=scale)
+    for buffer, gradient in zip(written, grads):
+        if buffer.numel():
+            buffer.copy_(gradient)
+
+
+@torch.library.impl("fusedloss::likelihood_pointwise", "CPU")
+def _likelihood_pointwise_cpu(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: float, full: bool,
+                              scale: float = 1.0) -> Tensor:
+    return (_terms(input, target, var, kind, eps, full)[0] * scale).to(input.dtype)
+
+
+@torch.library.impl("fusedloss::likelihood_pointwise_backward", "CPU")
+def _likelihood_pointwise_backward_cpu(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None,
+                                       kind: str, eps: float, full: bool, output_mask: Sequence[bool],
+                                       scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    terms = _terms(input, target, var, kind, eps, full)
+    return _scaled_gradients(terms, grad_output.to(terms[0].dtype) * scale, output_mask, input)
+
+
 class FusedLikelihood(torch.autograd.Function):
     """A mean or sum of the Gaussian (``kind='gaussian'``) or Poisson (``'poisson'`` of a log
     rate, ``'poisson_rate'`` of a rate) NLL of CUDA operands of one dtype and one shape, times
@@ -373,6 +489,9 @@ def poisson_nll(input: Tensor, target: Tensor, log_input: bool, full: bool, size
                 reduce: bool | None, reduction: str, weight: Tensor | None, scale: float | Tensor | None, dim: Dims,
                 keepdim: bool) -> Tensor:
     kind = "poisson" if log_input else "poisson_rate"
+    if (weight is None and dim is None and size_average is None and reduce is None
+            and (out := _sharded(input, target, None, kind, eps, full, reduction, scale)) is not None):
+        return out
     written_out = None
     # at most 8 bytes an element: a smaller step, bound by the host, skips the finer count
     large = (isinstance(input, Tensor) and isinstance(target, Tensor)

@@ -69,8 +69,9 @@ broadcast shape and autograd sums them to each operand's own shape.
   gradients ``output_mask`` asks for (input, target, var) for ``expected_grad_output``;
   ``likelihood_loss_backward_`` recomputes them in place where grad_output is another
   (decided on the GPU), ``likelihood_loss_backward`` computes them where the forward
-  wrote none; both note grad_output in ``likelihood_grad_output_history``. CUDA only:
-  their autograd is ``likelihood.FusedLikelihood`` (or the C++ autograd's node).
+  wrote none; both note grad_output in ``likelihood_grad_output_history``. Their
+  autograd is ``likelihood.FusedLikelihood`` (or the C++ autograd's node), and their CPU
+  kernels (the CUDA kernels' math, for tests and DTensor ranks on the CPU) are there too.
   ``likelihood_pointwise`` / ``likelihood_pointwise_backward``: ``reduction='none'``'s
   loss per element times ``scale``, and its gradients for a grad_output of the loss's shape,
   each one pass. ``likelihood_gradients``: their gradients as PyTorch's formula gives them,

@@ -23,8 +23,11 @@ the global weight sum), which ``weighted_loss`` takes as ``host_scale`` and
 backward, whose mean divides by the local count, offer sharded strategies for sums
 only. The in-place backward operators only ever see plain tensors (the forward's own
 gradients, which a DTensor's forward does not write) and have no rule; the composite
-ones (``loss_gradients``, ``weighted_loss_gradients``) decompose into operations
-DTensor already shards.
+ones (``loss_gradients``, ``weighted_loss_gradients``, ``likelihood_gradients``) decompose
+into operations DTensor already shards. The NLLs' operators (``likelihood_loss`` and its
+backward, ``likelihood_pointwise`` and its backward) have rules of the same kind; their
+route (``likelihood.py``) hands them DTensors, a mean as a sum scaled by one over the
+global count.
 """
 
 from __future__ import annotations
@@ -154,6 +157,46 @@ def _weighted_loss_backward(grad_output, input, target, weight, scale, divisor, 
                             history_slot=-1, expected_grad_output=1.0, autocast=False, param_per_element=False):
     return _strategies([grad_output, input, target, weight, scale, divisor] + [None] * 8, _shape(input, target),
                        _gradients(output_mask))
+
+
+@_rule(_OPS.likelihood_loss.default)
+def _likelihood_loss(input, target, var, kind, eps, full, reduction, output_mask, expected_grad_output=1.0,
+                     scale=1.0):
+    return _strategies([input, target, var] + [None] * 7, _shape(input, target, var),
+                       ["sum", *_gradients(output_mask)], sharded=reduction == "sum")
+
+
+@_rule(_OPS.likelihood_loss_backward.default)
+def _likelihood_loss_backward(grad_output, input, target, var, kind, eps, full, reduction, output_mask,
+                              history_slot=-1, expected_grad_output=1.0, scale=1.0):
+    return _strategies([grad_output, input, target, var] + [None] * 8, _shape(input, target, var),
+                       _gradients(output_mask), sharded=reduction == "sum")
+
+
+@_rule(_OPS.likelihood_pointwise.default)
+def _likelihood_pointwise(input, target, var, kind, eps, full, scale=1.0):
+    return _strategies([input, target, var] + [None] * 4, _shape(input, target, var), ["loss"])
+
+
+@_rule(_OPS.likelihood_pointwise_backward.default)
+def _likelihood_pointwise_backward(grad_output, input, target, var, kind, eps, full, output_mask, scale=1.0):
+    return _strategies([grad_output, input, target, var] + [None] * 5, _shape(input, target, var),
+                       _gradients(output_mask))
+
+
+def likelihood_applies(input: Tensor, target: Tensor, var: Tensor | None) -> bool:
+    """The NLLs' operands as DTensors of one mesh, shape and dtype, sharded or replicated,
+    whose local shards the likelihood kernels take (their fused pass: float32, float64 or
+    bfloat16, outside autocast)."""
+    operands = [t for t in (input, target, var) if t is not None]
+    if not all(isinstance(t, DTensor) and t.device_mesh == input.device_mesh and t.shape == input.shape
+               and t.dtype == input.dtype for t in operands):
+        return False
+    if any(not isinstance(p, (Shard, Replicate)) for t in operands for p in t.placements):
+        return False
+    return (input.dtype in (torch.float32, torch.float64, torch.bfloat16)
+            and not routing.under_autocast(input._local_tensor, target._local_tensor, input.device.type)
+            and routing.kernels_apply(input._local_tensor, target._local_tensor) and build.use_kernels("likelihood"))
 
 
 def applies(input: Tensor, target: Tensor, weight: Tensor | None, scale: float | Tensor | None,
