@@ -25,50 +25,39 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
+using torch::jit::Stack;
 using Tensors2 = std::tuple<at::Tensor, at::Tensor>;
-using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-using Reduced = Tensors3(const at::Tensor&, const at::Tensor&, c10::string_view, double, c10::string_view,
-                         std::array<bool, 2>, double, bool);
-using ReducedBackward = Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
-                                 c10::string_view, std::array<bool, 2>, int64_t, double, bool);
-using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, double, bool);
-using PointwiseBackward = Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
-                                   std::array<bool, 2>, bool);
-using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using OptionalTensor = std::optional<at::Tensor>;
-using Likelihood = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view, double, bool,
-                            c10::string_view, std::array<bool, 3>, double, double);
-using LikelihoodBackward = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                    c10::string_view, double, bool, c10::string_view, std::array<bool, 3>, int64_t,
-                                    double, double);
-using LikelihoodBackwardInPlace = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view,
-                                       double, bool, c10::string_view, double, int64_t, double);
-using LikelihoodGradients = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                     c10::string_view, double, bool, c10::string_view, std::array<bool, 3>, double);
-using Weighted = Tensors4(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                          const OptionalTensor&, double, c10::string_view, double, std::array<bool, 3>, double, bool,
-                          int64_t, bool);
-using WeightedBackward = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                  const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double,
-                                  std::array<bool, 3>, int64_t, double, bool, bool);
-using WeightedGradients = Tensors3(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                   const OptionalTensor&, const OptionalTensor&, double, c10::string_view, double, bool,
-                                   bool);
-using LossGradients = Tensors2(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
-                               c10::string_view, bool);
+
+// The fusedloss:: operators are called boxed: their kernels are boxed already (stable
+// ABI), and a typed call would instantiate the dispatcher's boxing templates for each
+// signature, which is most of this file's compile time.
+class Op {
+ public:
+  explicit Op(const char* name) : handle_(c10::Dispatcher::singleton().findSchemaOrThrow(name, "")) {}
+
+  template <typename... Args>
+  Stack operator()(Args&&... args) const {
+    Stack stack;
+    stack.reserve(sizeof...(Args));
+    (stack.emplace_back(std::forward<Args>(args)), ...);
+    handle_.callBoxed(&stack);
+    return stack;
+  }
+
+  bool has_kernel_for(c10::DispatchKey key) const { return handle_.hasKernelForDispatchKey(key); }
+
+ private:
+  c10::OperatorHandle handle_;
+};
+
+Tensors2 first_two(const Stack& out) { return {out[0].toTensor(), out[1].toTensor()}; }
 
 // Differentiable gradients for create_graph=True, summed to each operand's shape.
 Tensors2 loss_gradients(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
-                        const std::string& loss, double param, c10::string_view reduction, bool autocast) {
-  static const auto op = find_op<LossGradients>("fusedloss::loss_gradients");
-  return op.call(grad, input, target, loss, param, reduction, autocast);
+                        const std::string& loss, double param, const std::string& reduction, bool autocast) {
+  static const Op op("fusedloss::loss_gradients");
+  return first_two(op(grad, input, target, loss, param, reduction, autocast));
 }
 
 at::Tensor summed_to(const at::Tensor& grad, const at::Tensor& operand) {
@@ -151,11 +140,11 @@ struct LossBackward : OperandsBackward {
   double param_ = 0.0;
   bool autocast_ = false;
 
-  void save(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
-            c10::string_view reduction, bool autocast) {
+  void save(const at::Tensor& input, const at::Tensor& target, const std::string& loss, double param,
+            const std::string& reduction, bool autocast) {
     save_operands(input, target);
-    loss_ = std::string(loss);
-    reduction_ = std::string(reduction);
+    loss_ = loss;
+    reduction_ = reduction;
     param_ = param;
     autocast_ = autocast;
   }
@@ -170,8 +159,8 @@ struct ReducedLossBackward : LossBackward {
   std::string name() const override { return "ReducedLossBackward"; }
   Tensors2 gradients(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
                      std::array<bool, 2> wanted) override {
-    static const auto op = find_op<ReducedBackward>("fusedloss::reduced_loss_backward");
-    return op.call(grad, input, target, loss_, param_, reduction_, wanted, -1, 1.0, autocast_);
+    static const Op op("fusedloss::reduced_loss_backward");
+    return first_two(op(grad, input, target, loss_, param_, reduction_, wanted, int64_t{-1}, 1.0, autocast_));
   }
 };
 
@@ -190,17 +179,17 @@ struct PointwiseLossBackward : LossBackward {
   std::string name() const override { return "PointwiseLossBackward"; }
   Tensors2 gradients(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
                      std::array<bool, 2> wanted) override {
-    static const auto op = find_op<PointwiseBackward>("fusedloss::pointwise_loss_backward");
+    static const Op op("fusedloss::pointwise_loss_backward");
     // The weighted family's kernel reads an expanded grad_output where it lies, where it is loaded.
-    static const auto broadcast = find_op<PointwiseBackward>("fusedloss::pointwise_loss_backward_broadcast");
-    const bool in_place = grad.is_cuda() && expanded(grad) && broadcast.hasKernelForDispatchKey(c10::DispatchKey::CUDA);
-    return (in_place ? broadcast : op).call(grad, input, target, loss_, param_, wanted, autocast_);
+    static const Op broadcast("fusedloss::pointwise_loss_backward_broadcast");
+    const bool in_place = grad.is_cuda() && expanded(grad) && broadcast.has_kernel_for(c10::DispatchKey::CUDA);
+    return first_two((in_place ? broadcast : op)(grad, input, target, loss_, param_, wanted, autocast_));
   }
 };
 
 template <typename NodeType>
-at::Tensor with_history(at::Tensor out, const at::Tensor& input, const at::Tensor& target, c10::string_view loss,
-                        double param, c10::string_view reduction, bool autocast) {
+at::Tensor with_history(at::Tensor out, const at::Tensor& input, const at::Tensor& target, const std::string& loss,
+                        double param, const std::string& reduction, bool autocast) {
   if (at::GradMode::is_enabled() && (input.requires_grad() || target.requires_grad())) {
     auto node = make_node<NodeType>();
     node->save(input, target, loss, param, reduction, autocast);
@@ -209,26 +198,26 @@ at::Tensor with_history(at::Tensor out, const at::Tensor& input, const at::Tenso
   return out;
 }
 
-at::Tensor reduced_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
-                        c10::string_view reduction, bool autocast) {
+at::Tensor reduced_loss(const at::Tensor& input, const at::Tensor& target, const std::string& loss, double param,
+                        const std::string& reduction, bool autocast) {
   check_no_tangents(input, target, "reduced_loss");
-  static const auto op = find_op<Reduced>("fusedloss::reduced_loss");
+  static const Op op("fusedloss::reduced_loss");
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = std::get<0>(op.call(input, target, loss, param, reduction, {false, false}, 1.0, autocast));
+    out = op(input, target, loss, param, reduction, std::array<bool, 2>{false, false}, 1.0, autocast)[0].toTensor();
   }
   return with_history<ReducedLossBackward>(std::move(out), input, target, loss, param, reduction, autocast);
 }
 
-at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, c10::string_view loss, double param,
+at::Tensor pointwise_loss(const at::Tensor& input, const at::Tensor& target, const std::string& loss, double param,
                           bool autocast) {
   check_no_tangents(input, target, "pointwise_loss");
-  static const auto op = find_op<Pointwise>("fusedloss::pointwise_loss");
+  static const Op op("fusedloss::pointwise_loss");
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = op.call(input, target, loss, param, autocast);
+    out = op(input, target, loss, param, autocast)[0].toTensor();
   }
   return with_history<PointwiseLossBackward>(std::move(out), input, target, loss, param, "none", autocast);
 }
@@ -272,22 +261,23 @@ struct LikelihoodLossBackward : Node {
                                         has_var_ && task_should_compute_output(2)};
     std::array<at::Tensor, 3> out;
     if (at::GradMode::is_enabled()) {  // create_graph: PyTorch's formula, differentiable again
-      static const auto op = find_op<LikelihoodGradients>("fusedloss::likelihood_gradients");
-      std::tie(out[0], out[1], out[2]) =
-          op.call(grad, input, target, var, kind_, eps_, full_, reduction_, wanted, scale_);
+      static const Op op("fusedloss::likelihood_gradients");
+      const Stack result = op(grad, input, target, var, kind_, eps_, full_, reduction_, wanted, scale_);
+      out = {result[0].toTensor(), result[1].toTensor(), result[2].toTensor()};
     } else {
-      static const auto compute = find_op<LikelihoodBackward>("fusedloss::likelihood_loss_backward");
-      static const auto correct = find_op<LikelihoodBackwardInPlace>("fusedloss::likelihood_loss_backward_");
+      static const Op compute("fusedloss::likelihood_loss_backward");
+      static const Op correct("fusedloss::likelihood_loss_backward_");
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (has_written_) {
         out = std::move(written_);
         written_ = {};
         has_written_ = false;
-        correct.call(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, full_, reduction_,
+        correct(out[0], out[1], out[2], grad, input, target, var, kind_, eps_, full_, reduction_,
                      expected_grad_output_, history_slot_, scale_);
       } else {
-        std::tie(out[0], out[1], out[2]) = compute.call(grad, input, target, var, kind_, eps_, full_, reduction_,
-                                                        forward_mask_, history_slot_, expected_grad_output_, scale_);
+        const Stack result = compute(grad, input, target, var, kind_, eps_, full_, reduction_, forward_mask_,
+                                     history_slot_, expected_grad_output_, scale_);
+        out = {result[0].toTensor(), result[1].toTensor(), result[2].toTensor()};
       }
     }
     return {wanted[0] ? out[0] : at::Tensor(), wanted[1] ? out[1] : at::Tensor(),
@@ -296,22 +286,22 @@ struct LikelihoodLossBackward : Node {
 };
 
 at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& var,
-                           c10::string_view kind, double eps, bool full, c10::string_view reduction,
+                           const std::string& kind, double eps, bool full, const std::string& reduction,
                            int64_t history_slot, double expected_grad_output, bool writes, double scale) {
   const at::Tensor no_var;
   const at::Tensor& var_or_none = var.has_value() ? *var : no_var;
   check_no_tangents(input, target, "likelihood_loss", var_or_none);
-  static const auto op = find_op<Likelihood>("fusedloss::likelihood_loss");
+  static const Op op("fusedloss::likelihood_loss");
   const bool grad_mode = at::GradMode::is_enabled();
   const std::array<bool, 3> mask = {grad_mode && input.requires_grad(), grad_mode && target.requires_grad(),
                                     grad_mode && var_or_none.defined() && var_or_none.requires_grad()};
-  Tensors4 result;
+  Stack result;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const std::array<bool, 3> written = {writes && mask[0], writes && mask[1], writes && mask[2]};
-    result = op.call(input, target, var, kind, eps, full, reduction, written, expected_grad_output, scale);
+    result = op(input, target, var, kind, eps, full, reduction, written, expected_grad_output, scale);
   }
-  at::Tensor out = std::get<0>(result);
+  at::Tensor out = result[0].toTensor();
   if (mask[0] || mask[1] || mask[2]) {
     auto node = make_node<LikelihoodLossBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(input, target, var_or_none));
@@ -319,13 +309,13 @@ at::Tensor likelihood_loss(const at::Tensor& input, const at::Tensor& target, co
     node->target_ = SavedVariable(target, false);
     node->has_var_ = var_or_none.defined();
     if (node->has_var_) node->var_ = SavedVariable(var_or_none, false);
-    node->kind_ = std::string(kind);
-    node->reduction_ = std::string(reduction);
+    node->kind_ = kind;
+    node->reduction_ = reduction;
     node->eps_ = eps;
     node->full_ = full;
     node->scale_ = scale;
     node->forward_mask_ = mask;
-    node->written_ = {std::get<1>(result), std::get<2>(result), std::get<3>(result)};
+    node->written_ = {result[1].toTensor(), result[2].toTensor(), result[3].toTensor()};
     node->has_written_ = writes;
     node->history_slot_ = history_slot;
     node->expected_grad_output_ = expected_grad_output;
@@ -354,21 +344,17 @@ struct WeightedLossBackward : OperandsBackward {
 
   Tensors2 differentiable_gradients(const at::Tensor& grad, const at::Tensor& input,
                                     const at::Tensor& target) override {
-    static const auto op = find_op<WeightedGradients>("fusedloss::weighted_loss_gradients");
-    at::Tensor grad_input, grad_target;
-    std::tie(grad_input, grad_target, std::ignore) = op.call(grad, input, target, weight_, scale_, divisor_,
-                                                             host_scale_, loss_, param_, autocast_, param_per_element_);
-    return {grad_input, grad_target};
+    static const Op op("fusedloss::weighted_loss_gradients");
+    return first_two(op(grad, input, target, weight_, scale_, divisor_, host_scale_, loss_, param_, autocast_,
+                        param_per_element_));
   }
 
   Tensors2 gradients(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& target,
                      std::array<bool, 2> wanted) override {
-    static const auto op = find_op<WeightedBackward>("fusedloss::weighted_loss_backward");
-    at::Tensor grad_input, grad_target;
-    std::tie(grad_input, grad_target, std::ignore) =
-        op.call(grad, input, target, weight_, scale_, divisor_, host_scale_, loss_, param_,
-                {wanted[0], wanted[1], false}, history_slot_, expected_grad_output_, autocast_, param_per_element_);
-    return {grad_input, grad_target};
+    static const Op op("fusedloss::weighted_loss_backward");
+    return first_two(op(grad, input, target, weight_, scale_, divisor_, host_scale_, loss_, param_,
+                        std::array<bool, 3>{wanted[0], wanted[1], false}, history_slot_, expected_grad_output_,
+                        autocast_, param_per_element_));
   }
 };
 
@@ -376,18 +362,19 @@ bool requires_grad(const OptionalTensor& t) { return t.has_value() && t->defined
 
 at::Tensor weighted_loss(const at::Tensor& input, const at::Tensor& target, const OptionalTensor& weight,
                          const OptionalTensor& scale, const OptionalTensor& divisor, double host_scale,
-                         c10::string_view loss, double param, int64_t history_slot, double expected_grad_output,
+                         const std::string& loss, double param, int64_t history_slot, double expected_grad_output,
                          bool autocast, int64_t weight_kept_dims, bool param_per_element) {
   check_no_tangents(input, target, "weighted_loss");
   TORCH_CHECK(!requires_grad(weight) && !requires_grad(scale) && !requires_grad(divisor),
               "fusedloss_cxx::weighted_loss gives no gradient to weight, scale or divisor; fusedloss's loss "
               "functions take ops.py's autograd for those");
-  static const auto op = find_op<Weighted>("fusedloss::weighted_loss");
+  static const Op op("fusedloss::weighted_loss");
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    out = std::get<0>(op.call(input, target, weight, scale, divisor, host_scale, loss, param, {false, false, false},
-                              expected_grad_output, autocast, weight_kept_dims, param_per_element));
+    out = op(input, target, weight, scale, divisor, host_scale, loss, param, std::array<bool, 3>{false, false, false},
+             expected_grad_output, autocast, weight_kept_dims, param_per_element)[0]
+              .toTensor();
   }
   if (at::GradMode::is_enabled() && (input.requires_grad() || target.requires_grad())) {
     auto node = make_node<WeightedLossBackward>();
@@ -396,7 +383,7 @@ at::Tensor weighted_loss(const at::Tensor& input, const at::Tensor& target, cons
     node->scale_ = scale;
     node->divisor_ = divisor;
     node->host_scale_ = host_scale;
-    node->loss_ = std::string(loss);
+    node->loss_ = loss;
     node->param_ = param;
     node->history_slot_ = history_slot;
     node->expected_grad_output_ = expected_grad_output;
@@ -407,20 +394,62 @@ at::Tensor weighted_loss(const at::Tensor& input, const at::Tensor& target, cons
   return out;
 }
 
+OptionalTensor optional_tensor(const c10::IValue& value) {
+  return value.isNone() ? OptionalTensor() : OptionalTensor(value.toTensor());
+}
+
+// Boxed entry points, so that registering them instantiates no unboxing templates: each
+// reads its arguments from the stack in schema order and leaves its result there.
+template <size_t Arguments, typename Call>
+void replace_arguments(Stack& stack, Call&& call) {
+  at::Tensor out = call(torch::jit::last(stack, Arguments));
+  torch::jit::drop(stack, Arguments);
+  stack.emplace_back(std::move(out));
+}
+
+void reduced_loss_boxed(const c10::OperatorHandle&, Stack* stack) {
+  replace_arguments<6>(*stack, [](c10::ArrayRef<c10::IValue> a) {
+    return reduced_loss(a[0].toTensor(), a[1].toTensor(), a[2].toStringRef(), a[3].toDouble(), a[4].toStringRef(),
+                        a[5].toBool());
+  });
+}
+
+void pointwise_loss_boxed(const c10::OperatorHandle&, Stack* stack) {
+  replace_arguments<5>(*stack, [](c10::ArrayRef<c10::IValue> a) {
+    return pointwise_loss(a[0].toTensor(), a[1].toTensor(), a[2].toStringRef(), a[3].toDouble(), a[4].toBool());
+  });
+}
+
+void weighted_loss_boxed(const c10::OperatorHandle&, Stack* stack) {
+  replace_arguments<13>(*stack, [](c10::ArrayRef<c10::IValue> a) {
+    return weighted_loss(a[0].toTensor(), a[1].toTensor(), optional_tensor(a[2]), optional_tensor(a[3]),
+                         optional_tensor(a[4]), a[5].toDouble(), a[6].toStringRef(), a[7].toDouble(), a[8].toInt(),
+                         a[9].toDouble(), a[10].toBool(), a[11].toInt(), a[12].toBool());
+  });
+}
+
+void likelihood_loss_boxed(const c10::OperatorHandle&, Stack* stack) {
+  replace_arguments<11>(*stack, [](c10::ArrayRef<c10::IValue> a) {
+    return likelihood_loss(a[0].toTensor(), a[1].toTensor(), optional_tensor(a[2]), a[3].toStringRef(),
+                           a[4].toDouble(), a[5].toBool(), a[6].toStringRef(), a[7].toInt(), a[8].toDouble(),
+                           a[9].toBool(), a[10].toDouble());
+  });
+}
+
 }  // namespace
 
 // Registered as composites: they make their own graph nodes, for any device the
 // fusedloss:: operators serve.
 TORCH_LIBRARY(fusedloss_cxx, m) {
   m.def("reduced_loss(Tensor input, Tensor target, str loss, float param, str reduction, bool autocast) -> Tensor",
-        &reduced_loss);
+        torch::CppFunction::makeFromBoxedFunction<&reduced_loss_boxed>());
   m.def("pointwise_loss(Tensor input, Tensor target, str loss, float param, bool autocast) -> Tensor",
-        &pointwise_loss);
+        torch::CppFunction::makeFromBoxedFunction<&pointwise_loss_boxed>());
   m.def("weighted_loss(Tensor input, Tensor target, Tensor? weight, Tensor? scale, Tensor? divisor, "
         "float host_scale, str loss, float param, int history_slot, float expected_grad_output, bool autocast, "
         "int weight_kept_dims, bool param_per_element) -> Tensor",
-        &weighted_loss);
+        torch::CppFunction::makeFromBoxedFunction<&weighted_loss_boxed>());
   m.def("likelihood_loss(Tensor input, Tensor target, Tensor? var, str kind, float eps, bool full, str reduction, "
         "int history_slot, float expected_grad_output, bool writes, float scale=1.0) -> Tensor",
-        &likelihood_loss);
+        torch::CppFunction::makeFromBoxedFunction<&likelihood_loss_boxed>());
 }
