@@ -373,11 +373,12 @@ def test_small_losses_leave_the_gradient_to_backward(device, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
-    """Without the C++ autograd, a step (gradients wanted) of a loss PyTorch computes with
-    kernels of its own is PyTorch's, with its bits, for 'none' and below
-    FUSED_GRADIENT_FROM_BYTES, and so is one of a loss it composes (L1) below that
-    threshold only; other losses, calls without gradients, larger steps, and every call
-    with the C++ autograd (but for a weight or scale that learns) take the kernels."""
+    """A step (gradients wanted) of a loss PyTorch computes with kernels of its own is
+    PyTorch's, with its bits, for 'none' and below FUSED_GRADIENT_FROM_BYTES, with or
+    without the C++ autograd; without it, so is one of a loss it composes (L1) below that
+    threshold only, and a weighted one below a quarter of it. Other losses, calls without
+    gradients, larger steps, and with the C++ autograd the composed and weighted steps (but
+    for a weight or scale that learns) take the kernels."""
     monkeypatch.setattr(routing, "pytorch_serves_the_step", PYTORCH_SERVES_THE_STEP)
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: False)
     calls = []
@@ -454,7 +455,10 @@ def test_pytorch_serves_the_steps_where_its_step_is_faster(device, monkeypatch):
     monkeypatch.setattr(routing, "FUSED_GRADIENT_FROM_BYTES", 1 << 28)
     monkeypatch.setattr(build, "cxx_autograd_loaded", lambda: True)
     for name in ("mse", "l1"):
-        assert not routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel())
+        # with the C++ autograd, PyTorch's step still where PyTorch has the loss's kernels
+        served = losses.LOSSES[name].pytorch_kernels
+        assert routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel()) == served
+        assert routing.pytorch_serves_the_step(losses.LOSSES[name], "none", x, y, x.numel()) == served
         assert not routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel(), True)
         # a weight or scale that learns: only the Python autograd gives its gradient
         assert routing.pytorch_serves_the_step(losses.LOSSES[name], "mean", x, y, x.numel(), True, True)

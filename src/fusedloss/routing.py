@@ -88,17 +88,21 @@ def pytorch_serves_the_step(row: Loss, mode: str, input: Tensor, target: Tensor,
     its loss, and for a `weighted` step (weight= or scale=) torch operations for the weight
     and scale, each behind a C++ autograd node. Where the fused step's forward writes no
     gradient (below FUSED_GRADIENT_FROM_BYTES, a quarter of it weighted), the step is bound
-    by host time, and those nodes cost less of it than fusedloss's Python autograd; the C++
-    autograd serves such steps where it is built, but for a weight or scale that is
-    `learned` (wants a gradient), which only the Python autograd gives. There a loss PyTorch
-    computes with its own forward and backward kernels moves no fewer bytes than the fused
-    step (also for reduction='none', at every size); a loss it composes from several
-    operations, or a weighted one, moves more, which only the steps bound by host time do
-    not feel."""
-    if not row.pytorch_serves_steps or (build.cxx_autograd_loaded() and not learned):
+    by host time, and those nodes cost less of it than fusedloss's Python autograd. A loss
+    PyTorch computes with its own forward and backward kernels is PyTorch's there even where
+    the C++ autograd is built: its operator, called directly, takes less host time than the
+    C++ autograd's (whose operators pass through the stable ABI's boxed calls), and it moves
+    no fewer bytes than the fused step (also for reduction='none', at every size). A loss
+    it composes from several operations, or a weighted one, moves more, which only the
+    steps bound by host time do not feel: the C++ autograd serves those where it is built,
+    but for a weight or scale that is `learned` (wants a gradient), which only the Python
+    autograd gives."""
+    if not row.pytorch_serves_steps:
         return False
     if row.pytorch_kernels and not weighted:
         return mode == "none" or not forward_writes_gradients(input, target, numel)
+    if build.cxx_autograd_loaded() and not learned:
+        return False
     below = FUSED_GRADIENT_FROM_BYTES >> 2 if weighted else FUSED_GRADIENT_FROM_BYTES
     return numel * (input.element_size() + target.element_size()) < below
 
@@ -107,7 +111,7 @@ def pytorch_serves_the_call(row: Loss, input: object, target: object, reduction:
     """Whether a call is a step pytorch_serves_the_step hands to PyTorch, found before any
     other routing (functional._loss): plain tensors of one shape wanting gradients,
     outside torch.compile; on a GPU, once the kernels are loaded (their first call loads
-    the C++ autograd where it is built, which then serves such steps). Such a call goes
+    the C++ autograd where it is built, which then serves a composed loss's steps). Such a call goes
     straight to PyTorch's operator, with less host time than torch.nn.functional's own
     (whose checks and broadcast it does not need). The caller has checked that the call
     has no weight, scale, dim or legacy arguments, and a float param in its domain."""
