@@ -227,10 +227,12 @@ def _other_losses_worker(rank, device, init_file, results_dir):
 
 
 def _likelihood_worker(rank, device, init_file, results_dir):
-    """The Gaussian and Poisson NLLs of operands of one shape on DTensors take their fused
-    operators through the rules (checked by the autograd node): against full tensors,
+    """The Gaussian and Poisson NLLs of operands of one shape on DTensors take the fused pass:
+    placed alike, the one-GPU path on the local shards; a var placed otherwise, the fused
+    operators through their rules (each checked by the autograd node). Against full tensors,
     values and the gradients of input, target and var, sharded unevenly along each dimension
-    or replicated, every reduction, with and without ``full``, a number scale too."""
+    or replicated, every reduction, with and without ``full``, a number scale too; a double
+    backward of the local route."""
     with _two_ranks(rank, device, init_file, results_dir) as (mesh, failures):
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -244,15 +246,20 @@ def _likelihood_worker(rank, device, init_file, results_dir):
             "poisson rate": lambda a, b, v, r, full, s: fusedloss.poisson_nll_loss(a.abs(), b, log_input=False,
                                                                                   full=full, reduction=r, scale=s),
         }
-        placements = [Shard(0), Shard(1), Shard(2), Replicate()]
-        for (name, call), reduction, placement, full, scale in itertools.product(
-                calls.items(), ["none", "mean", "sum"], placements, [False, True], [None, 0.5]):
+        # (the operands' placement, var's)
+        layouts = [(p, p) for p in (Shard(0), Shard(1), Shard(2), Replicate())] + [(Shard(1), Replicate())]
+        for (name, call), reduction, (placement, var_placement), full, scale in itertools.product(
+                calls.items(), ["none", "mean", "sum"], layouts, [False, True], [None, 0.5]):
             try:
                 target = y if name == "gaussian" else counts
                 full_leaves = [t.clone().requires_grad_() for t in (x, target, var)]
-                sharded = [distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (x, target, var)]
+                sharded = [distribute_tensor(t, mesh, [where]).requires_grad_()
+                           for t, where in zip((x, target, var), (placement, placement, var_placement))]
                 out, expected = call(*sharded, reduction, full, scale), call(*full_leaves, reduction, full, scale)
-                node = "FusedLikelihoodPointwiseBackward" if reduction == "none" else "FusedLikelihoodBackward"
+                if name == "gaussian" and var_placement != placement:
+                    node = "FusedLikelihoodPointwiseBackward" if reduction == "none" else "FusedLikelihoodBackward"
+                else:
+                    node = "_LossOfShardsBackward"
                 assert out.grad_fn.name() == node, out.grad_fn.name()
                 torch.testing.assert_close(out.full_tensor(), expected, rtol=2e-5, atol=2e-5)
                 g = torch.randn(expected.shape, generator=torch.Generator(expected.device).manual_seed(1),
@@ -260,11 +267,22 @@ def _likelihood_worker(rank, device, init_file, results_dir):
                 wrt = 3 if name == "gaussian" else 2
                 got = torch.autograd.grad((out.full_tensor() * g).sum(), sharded[:wrt])
                 want = torch.autograd.grad((expected * g).sum(), full_leaves[:wrt])
-                for a, b in zip(got, want):
-                    assert a.placements == (placement,)
+                for a, b, leaf in zip(got, want, sharded):
+                    # (a replicated var's gradient through DTensor's redistribution is its own)
+                    assert a.placements == leaf.placements or leaf is sharded[2], (a.placements, leaf.placements)
                     torch.testing.assert_close(a.full_tensor(), b, rtol=2e-5, atol=2e-5, equal_nan=True)
+                # a double backward (not through the rate's abs: DTensor's own double backward of abs
+                # fails, "set the storage of a tensor on device meta")
+                if var_placement == placement == Shard(0) and not full and scale is None and name != "poisson rate":
+                    slopes = torch.autograd.grad((call(*sharded, reduction, full, scale).full_tensor() * g).sum(),
+                                                 sharded[:wrt], create_graph=True)
+                    full_slopes = torch.autograd.grad((call(*full_leaves, reduction, full, scale) * g).sum(),
+                                                      full_leaves[:wrt], create_graph=True)
+                    second, = torch.autograd.grad(sum((s.full_tensor() ** 2).sum() for s in slopes), sharded[0])
+                    full_second, = torch.autograd.grad(sum((s ** 2).sum() for s in full_slopes), full_leaves[0])
+                    torch.testing.assert_close(second.full_tensor(), full_second, rtol=2e-5, atol=2e-5)
             except Exception as error:  # each failure is a result; the ranks keep in step
-                failures.append(f"{name} {reduction} {placement} full={full} scale={scale}: "
+                failures.append(f"{name} {reduction} {placement} {var_placement} full={full} scale={scale}: "
                                 f"{type(error).__name__}: {str(error)[:400]}")
 
 
@@ -463,7 +481,7 @@ def test_the_losses_beside_the_table_take_dtensors(tmp_path, device):
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_nlls_take_their_fused_operators_on_dtensors(tmp_path, device):
+def test_the_nlls_take_their_fused_pass_on_dtensors(tmp_path, device):
     _spawn_two_ranks(_likelihood_worker, device, tmp_path)
 
 

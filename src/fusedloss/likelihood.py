@@ -80,9 +80,11 @@ def gaussian_nll(input: Tensor, target: Tensor, var: Tensor | float, full: bool,
 
 def _sharded(input: Tensor, target: Tensor, var: Tensor | float | None, kind: str, eps: float, full: bool,
              reduction: str, scale: float | Tensor | None) -> Tensor | None:
-    """DTensor operands that ``sharding.likelihood_applies`` takes: the fused operators on
-    each rank's shards, through their sharding rules. A mean is a sum scaled by one over the
-    global count, which uneven shards add up to. None where they do not apply."""
+    """DTensor operands that ``sharding.likelihood_applies`` takes: the fused pass on each
+    rank's shards. Placed alike, the one-GPU path on the local shards
+    (``sharding.likelihood_on_local_shards``), whose forward writes the gradients where it
+    can; else the fused operators through their sharding rules. A mean is a sum scaled by
+    one over the global count, which uneven shards add up to. None where they do not apply."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is None or not isinstance(input, dtensor) or reduction not in routing.MODES:
         return None
@@ -91,12 +93,20 @@ def _sharded(input: Tensor, target: Tensor, var: Tensor | float | None, kind: st
     fused_scale = _fused_scale(scale)
     if fused_scale is None or not sharding.likelihood_applies(input, target, var):
         return None
-    if reduction == "none":
-        return FusedLikelihoodPointwise.apply(input, target, var, kind, eps, full, fused_scale)
-    if reduction == "mean":
-        fused_scale = reductions.mean_factor(fused_scale, input.numel())
-    # the forward writes no gradient: the in-place correction of one has no rule
-    return FusedLikelihood.apply(input, target, var, kind, eps, full, "sum", -1, 1.0, False, fused_scale)
+
+    def on_operators(input: Tensor, target: Tensor, var: Tensor | None = None) -> Tensor:
+        if reduction == "none":
+            return FusedLikelihoodPointwise.apply(input, target, var, kind, eps, full, fused_scale)
+        factor = reductions.mean_factor(fused_scale, input.numel()) if reduction == "mean" else fused_scale
+        # the forward writes no gradient: the in-place correction of one has no rule
+        return FusedLikelihood.apply(input, target, var, kind, eps, full, "sum", -1, 1.0, False, factor)
+
+    def on_shards(input: Tensor, target: Tensor, *rest) -> Tensor:
+        *var, local_reduction, local_scale = rest
+        return fused_likelihood(input, target, var[0] if var else None, kind, eps, full, local_reduction, local_scale)
+
+    out = sharding.likelihood_on_local_shards(input, target, var, reduction, fused_scale, on_shards, on_operators)
+    return on_operators(input, target, var) if out is None else out
 
 
 def _fused_scale(scale: float | Tensor | None) -> float | None:
@@ -287,8 +297,7 @@ def _terms(input: Tensor, target: Tensor, var: Tensor | None, kind: str, eps: fl
     math_dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
     p, t = input.to(math_dtype), target.to(math_dtype)
     if kind == "gaussian":
-        v = var.to(math_dtype)
-        v = torch.where(v < 0, math.nan, torch.where(v < eps, eps, v))
+        v = _clamped_var(var.to(math_dtype), eps)
         d = p - t
         q = d / v
         loss = 0.5 * (torch.log(v) + d * q) + (_HALF_LOG_TWO_PI if full else 0.0)
@@ -327,14 +336,20 @@ def _likelihood_loss_cpu(input: Tensor, target: Tensor, var: Tensor | None, kind
     return (out, *_scaled_gradients(terms, factor * expected_grad_output, output_mask, input))
 
 
+def _reduction_gradients(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
+                         eps: float, full: bool, reduction: str, output_mask: Sequence[bool],
+                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    factor = reductions.mean_factor(scale, input.numel()) if reduction == "mean" else scale
+    times = grad_output.reshape(()).to(torch.float64) * factor
+    return _scaled_gradients(_terms(input, target, var, kind, eps, full), times, output_mask, input)
+
+
 @torch.library.impl("fusedloss::likelihood_loss_backward", "CPU")
 def _likelihood_loss_backward_cpu(grad_output: Tensor, input: Tensor, target: Tensor, var: Tensor | None, kind: str,
                                   eps: float, full: bool, reduction: str, output_mask: Sequence[bool],
                                   history_slot: int = -1, expected_grad_output: float = 1.0,
                                   scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
-    factor = reductions.mean_factor(scale, input.numel()) if reduction == "mean" else scale
-    times = grad_output.reshape(()).to(torch.float64) * factor
-    return _scaled_gradients(_terms(input, target, var, kind, eps, full), times, output_mask, input)
+    return _reduction_gradients(grad_output, input, target, var, kind, eps, full, reduction, output_mask, scale)
 
 
 @torch.library.impl("fusedloss::likelihood_loss_backward_", "CPU")
@@ -343,10 +358,11 @@ def _likelihood_loss_backward_in_place_cpu(grad_input: Tensor, grad_target: Tens
                                            kind: str, eps: float, full: bool, reduction: str,
                                            expected_grad_output: float = 1.0, history_slot: int = -1,
                                            scale: float = 1.0) -> None:
-    # recomputed whatever grad_output is: the host knows it here
+    # recomputed whatever grad_output is: the host knows it here (torch.library.impl's
+    # decorator leaves no function to call by name)
     written = (grad_input, grad_target, grad_var)
-    grads = _likelihood_loss_backward_cpu(grad_output, input, target, var, kind, eps, full, reduction,
-                                          [g.numel() > 0 for g in written], scale=scale)
+    grads = _reduction_gradients(grad_output, input, target, var, kind, eps, full, reduction,
+                                 [g.numel() > 0 for g in written], scale)
     for buffer, gradient in zip(written, grads):
         if buffer.numel():
             buffer.copy_(gradient)

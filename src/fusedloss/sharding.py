@@ -244,62 +244,63 @@ def _spec(mesh, placements: tuple, shape: torch.Size, stride: tuple[int, ...], d
 
 
 class _LossOfShards(torch.autograd.Function):
-    """The loss of each rank's local shards as a DTensor, in one autograd node: forward runs
-    the one-GPU path on the shards (its own graph, which writes the gradients where it can),
-    backward differentiates that graph with the gradient's local part. DTensor.to_local and
-    from_local would add a node per operand and for the result, each with host time on every
-    step. A double backward differentiates the same loss again on the operators' route
-    (``again``), through DTensor's dispatch: on torch 2.10, to_local's and from_local's
-    backward cut the graph, and a second derivative through them would be missing."""
+    """The loss of each rank's local shards of its operands (input, target and, for the
+    NLLs, var) as a DTensor, in one autograd node: forward runs the one-GPU path on the
+    shards (its own graph, which writes the gradients where it can), backward differentiates
+    that graph with the gradient's local part. DTensor.to_local and from_local would add a
+    node per operand and for the result, each with host time on every step. A double
+    backward differentiates the same loss again on the operators' route (``again``), through
+    DTensor's dispatch: on torch 2.10, to_local's and from_local's backward cut the graph,
+    and a second derivative through them would be missing."""
 
     @staticmethod
-    def forward(ctx, input: DTensor, target: DTensor, arguments: tuple) -> DTensor:
+    def forward(ctx, arguments: tuple, *operands: DTensor) -> DTensor:
         # the rest in one tuple: each argument of a Function costs host time in every backward
         local_loss, again, placements, shape, stride = arguments
-        local_input = input._local_tensor.detach().requires_grad_(ctx.needs_input_grad[0])
-        local_target = target._local_tensor.detach().requires_grad_(ctx.needs_input_grad[1])
+        locals_ = tuple(operand._local_tensor.detach().requires_grad_(wanted)
+                        for operand, wanted in zip(operands, ctx.needs_input_grad[1:]))
         with torch.enable_grad():
-            out = local_loss(local_input, local_target)
+            out = local_loss(*locals_)
         # saved, not kept on ctx: autograd frees them after a backward that does not retain the graph
-        ctx.save_for_backward(input, target, local_input, local_target, out)
+        ctx.save_for_backward(*operands, *locals_, out)
         ctx.again = again
         # the gradient of a partial sum is replicated, as DTensor.from_local's backward has it
         ctx.gradient_placements = tuple(Replicate() if p.is_partial() else p for p in placements)
         # built from its spec: DTensor.from_local would add an autograd node and its host time
-        spec = _spec(input.device_mesh, placements, shape, stride, out.dtype)
+        spec = _spec(operands[0].device_mesh, placements, shape, stride, out.dtype)
         return DTensor(out.detach(), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad_output: DTensor) -> tuple[DTensor | None, ...]:
-        input, target, local_input, local_target, out = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[:2]
+        saved = ctx.saved_tensors
+        count = len(saved) // 2
+        operands, locals_, out = saved[:count], saved[count:-1], saved[-1]
+        wanted = ctx.needs_input_grad[1:]
         if torch.is_grad_enabled():  # create_graph: the loss again, on a route autograd sees whole
             with torch.enable_grad():
-                loss = ctx.again(input, target)
-            grads = iter(torch.autograd.grad(loss, [t for t, w in zip((input, target), wanted) if w], grad_output,
+                loss = ctx.again(*operands)
+            grads = iter(torch.autograd.grad(loss, [t for t, w in zip(operands, wanted) if w], grad_output,
                                              create_graph=True))
-            return tuple(next(grads) if w else None for w in wanted) + (None,)
+            return (None,) + tuple(next(grads) if w else None for w in wanted)
         placements = ctx.gradient_placements
         if tuple(grad_output.placements) != placements:
-            grad_output = grad_output.redistribute(input.device_mesh, placements)
+            grad_output = grad_output.redistribute(operands[0].device_mesh, placements)
         local_grad = grad_output._local_tensor
         # found again from the saved output, not kept on ctx: it holds the shards' graph
-        node = _one_node_over(out, (local_input, local_target))
+        node = _one_node_over(out, locals_)
         if node is not None:  # that node's backward, called as the engine would call it
-            grads = node.apply(local_grad, *(None,) * (len(node._input_metadata) - 1))[:2]
-            return tuple(_gradient(_as_operand(g, local), operand) if w and g is not None else None
-                         for g, local, operand, w in zip(grads, (local_input, local_target), (input, target), wanted)
-                         ) + (None,)
+            grads = node.apply(local_grad, *(None,) * (len(node._input_metadata) - 1))[:count]
+            return (None,) + tuple(_gradient(_as_operand(g, local), operand) if w and g is not None else None
+                                   for g, local, operand, w in zip(grads, locals_, operands, wanted))
         # the shards' graph is kept as long as this node's saved tensors: a retained graph's
         # second backward finds it
-        grads = iter(torch.autograd.grad(out, [t for t, w in zip((local_input, local_target), wanted) if w],
-                                         local_grad, retain_graph=True))
-        return tuple(_gradient(next(grads), operand) if w else None
-                     for operand, w in zip((input, target), wanted)) + (None,)
+        grads = iter(torch.autograd.grad(out, [t for t, w in zip(locals_, wanted) if w], local_grad,
+                                         retain_graph=True))
+        return (None,) + tuple(_gradient(next(grads), operand) if w else None for operand, w in zip(operands, wanted))
 
 
-def _one_node_over(out: Tensor, leaves: tuple[Tensor, Tensor]):
-    """The shards' graph where it is one autograd Function whose first two arguments are the
+def _one_node_over(out: Tensor, leaves: tuple[Tensor, ...]):
+    """The shards' graph where it is one autograd Function whose first arguments are the
     leaves themselves (the fused operators' Functions): backward then calls that node's own
     backward, not a nested run of the autograd engine, which costs a small step more host
     time than the rest of its backward. None for any other graph."""
@@ -307,7 +308,7 @@ def _one_node_over(out: Tensor, leaves: tuple[Tensor, Tensor]):
     if not isinstance(node, torch.autograd.function.BackwardCFunction) or out.output_nr != 0:
         return None
     edges = node.next_functions
-    if len(edges) < 2 or any(fn is not None for fn, _ in edges[2:]):
+    if len(edges) < len(leaves) or any(fn is not None for fn, _ in edges[len(leaves):]):
         return None
     for (fn, _), leaf in zip(edges, leaves):
         if leaf.requires_grad != (fn is not None) or (fn is not None and getattr(fn, "variable", None) is not leaf):
@@ -363,8 +364,8 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
     local_weight = None if weight is None else weight._local_tensor  # it takes no gradient
     again = functools.partial(sharded_loss, loss, param, reduction=reduction, weight=weight, scale=scale)
     if reduction == "none":
-        return _LossOfShards.apply(input, target, (lambda i, t: loss_of_shards(i, t, "none", local_weight, scale),
-                                   again, tuple(placements), input.shape, _contiguous_strides(input.shape)))
+        return _LossOfShards.apply((lambda i, t: loss_of_shards(i, t, "none", local_weight, scale), again,
+                                    tuple(placements), input.shape, _contiguous_strides(input.shape)), input, target)
     # ranks along a mesh dimension the operands are sharded on hold parts of a sum
     parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
     if reduction == "mean":
@@ -379,8 +380,29 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
             total = DTensor.from_local(reductions.weight_sum(local_weight, dtype), mesh, parts, run_check=False,
                                        shape=torch.Size(()), stride=()).full_tensor()
             scale = factor / total
-    return _LossOfShards.apply(input, target, (lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale),
-                               again, tuple(parts), torch.Size(()), ()))
+    return _LossOfShards.apply((lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale), again, tuple(parts),
+                                torch.Size(()), ()), input, target)
+
+
+def likelihood_on_local_shards(input: DTensor, target: DTensor, var: DTensor | None, reduction: str, scale: float,
+                               local_loss: Callable[..., Tensor], again: Callable[..., Tensor]) -> DTensor | None:
+    """The NLLs' common case (``likelihood_applies``, every operand placed alike) as
+    ``on_local_shards`` runs it: ``local_loss(input, target[, var], reduction, scale)`` is the
+    one-GPU fused pass on the shards, whose forward writes the gradients where it can; a mean
+    is the ranks' partial sums scaled by one over the global count. ``again`` is the same
+    loss on the operators' route (a double backward's). None where the placements differ."""
+    operands = (input, target) if var is None else (input, target, var)
+    placements = input.placements
+    if any(operand.placements != placements for operand in operands[1:]):
+        return None
+    if reduction == "none":
+        return _LossOfShards.apply((lambda *shards: local_loss(*shards, "none", scale), again, tuple(placements),
+                                    input.shape, _contiguous_strides(input.shape)), *operands)
+    parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
+    if reduction == "mean":
+        scale = reductions.mean_factor(scale, input.numel())
+    return _LossOfShards.apply((lambda *shards: local_loss(*shards, "sum", scale), again, tuple(parts),
+                                torch.Size(()), ()), *operands)
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
