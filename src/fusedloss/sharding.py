@@ -5,7 +5,8 @@ The common case (input, target and any weight alike in shape and placements, no 
 tensor) skips DTensor's dispatch: ``on_local_shards`` runs the one-GPU path on the local
 shards, whose forward writes the gradients, in one autograd node, and returns the ranks'
 partial sums as a ``Partial`` DTensor, as DTensor's own reductions do (``full_tensor()``
-adds them up; the backward needs no collective). Every other case goes through the
+adds them up; the backward needs no collective). ``likelihood_on_local_shards`` does the
+same for the NLLs' input, target and var. Every other case goes through the
 operators and the rules below, DTensor redistributing the operands where they are placed
 unalike.
 
@@ -26,8 +27,8 @@ gradients, which a DTensor's forward does not write) and have no rule; the compo
 ones (``loss_gradients``, ``weighted_loss_gradients``, ``likelihood_gradients``) decompose
 into operations DTensor already shards. The NLLs' operators (``likelihood_loss`` and its
 backward, ``likelihood_pointwise`` and its backward) have rules of the same kind; their
-route (``likelihood.py``) hands them DTensors, a mean as a sum scaled by one over the
-global count.
+route (``likelihood.py``) hands them DTensors placed unalike, a mean as a sum scaled by
+one over the global count.
 """
 
 from __future__ import annotations
