@@ -21,7 +21,7 @@ PyTorch's up to rounding (a product and a sum rounded once, not twice). Elsewher
 CPU, float16 operands outside autocast, smaller Poisson losses that the fused pass does
 not take, ``full`` Poisson losses outside it, ``torch.compile``, torch.func transforms and
 forward-mode AD, tensor subclasses) the losses are PyTorch's own operations; but DTensors
-of one shape and dtype take the fused operators on each rank's shards (``_sharded``).
+of one shape and dtype take the fused pass on each rank's shards (``_sharded``).
 """
 
 from __future__ import annotations
