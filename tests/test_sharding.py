@@ -57,7 +57,7 @@ def _cases(device):
 
 def _run_case(case, mesh, device):
     from conftest import LOSSES
-    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
     torch.manual_seed(zlib.crc32(repr(case).encode()))  # the same operands on every rank
     fn = LOSSES[case["name"]][0]
@@ -440,6 +440,39 @@ def _graph_worker(rank, device, init_file, results_dir):
                 failures.append(f"{reduction} weighted={weighted}: {type(error).__name__}: {str(error)[:300]}")
         if len(taken) != 2 * len(cases):
             failures.append(f"the local shards' route took {len(taken)} of {2 * len(cases)} calls")
+        _one_cpp_node_case(mesh, x, y, failures)
+
+
+def _one_cpp_node_case(mesh, x, y, failures):
+    """The local shards' graph as one C++ node (PyTorch's own loss node, as the C++ autograd's
+    are): backward() calls that node; torch.autograd.grad(..., inputs), whose graph task never
+    heard of the shards' leaves, gets its gradients all the same."""
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    from fusedloss import sharding
+
+    def local_loss(i, t):
+        return torch.nn.functional.mse_loss(i, t, reduction="sum")
+
+    arguments = (local_loss, None, (Partial(),), torch.Size(()), ())
+    grads = {"input": 2 * (x - y), "target": 2 * (y - x)}
+    try:
+        i, t = (torch.randn(3, requires_grad=True) for _ in range(2))
+        assert sharding._one_node_over(local_loss(i, t), (i, t)) is not None, "not one node"
+        for call in ("backward", "grad of input", "grad of both"):
+            dx, dy = (distribute_tensor(v, mesh, [Shard(0)]).requires_grad_() for v in (x, y))
+            out = sharding._LossOfShards.apply(arguments, dx, dy)
+            if call == "backward":
+                out.backward()
+                got = {"input": dx.grad, "target": dy.grad}
+            elif call == "grad of input":
+                got = {"input": torch.autograd.grad(out, dx)[0]}
+            else:
+                got = dict(zip(("input", "target"), torch.autograd.grad(out, (dx, dy))))
+            for name, grad in got.items():
+                torch.testing.assert_close(grad.full_tensor(), grads[name], msg=lambda m: f"{call}, {name}: {m}")
+    except Exception as error:
+        failures.append(f"one C++ node: {type(error).__name__}: {str(error)[:300]}")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")

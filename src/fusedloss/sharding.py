@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
@@ -290,9 +291,15 @@ class _LossOfShards(torch.autograd.Function):
         # found again from the saved output, not kept on ctx: it holds the shards' graph
         node = _one_node_over(out, locals_)
         if node is not None:  # that node's backward, called as the engine would call it
-            grads = node.apply(local_grad, *(None,) * (len(node._input_metadata) - 1))[:count]
-            return (None,) + tuple(_gradient(_as_operand(g, local), operand) if w and g is not None else None
-                                   for g, local, operand, w in zip(grads, locals_, operands, wanted))
+            inputs = (local_grad,) + (None,) * (len(node._input_metadata) - 1)
+            python_node = isinstance(node, BackwardCFunction)
+            grads = (node.apply(*inputs) if python_node else node(*inputs))[:count]
+            # a C++ node asks the running graph task which gradients to compute, and the task of a
+            # torch.autograd.grad(..., inputs) has never heard of the shards' leaves: it computes
+            # none, and the engine's own run below serves that call
+            if python_node or all(g is not None for g, w in zip(grads, wanted) if w):
+                return (None,) + tuple(_gradient(_as_operand(g, local), operand) if w and g is not None else None
+                                       for g, local, operand, w in zip(grads, locals_, operands, wanted))
         # the shards' graph is kept as long as this node's saved tensors: a retained graph's
         # second backward finds it
         grads = iter(torch.autograd.grad(out, [t for t, w in zip(locals_, wanted) if w], local_grad,
@@ -301,12 +308,13 @@ class _LossOfShards(torch.autograd.Function):
 
 
 def _one_node_over(out: Tensor, leaves: tuple[Tensor, ...]):
-    """The shards' graph where it is one autograd Function whose first arguments are the
-    leaves themselves (the fused operators' Functions): backward then calls that node's own
-    backward, not a nested run of the autograd engine, which costs a small step more host
-    time than the rest of its backward. None for any other graph."""
+    """The shards' graph where it is one autograd node whose first inputs are the leaves
+    themselves (a fused operator's Function, the C++ autograd's node, or PyTorch's own
+    loss node): backward then calls that node, not a nested run of the autograd engine,
+    which costs a small step more host time than the rest of its backward. None for any
+    other graph."""
     node = out.grad_fn
-    if not isinstance(node, torch.autograd.function.BackwardCFunction) or out.output_nr != 0:
+    if node is None or out.output_nr != 0:
         return None
     edges = node.next_functions
     if len(edges) < len(leaves) or any(fn is not None for fn, _ in edges[len(leaves):]):
