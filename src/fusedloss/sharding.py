@@ -350,6 +350,23 @@ def _gradient(local: Tensor, operand: DTensor) -> DTensor:
     return DTensor(local, copy.copy(operand._spec), requires_grad=False)
 
 
+def _summed_placements(placements: tuple) -> tuple:
+    """A sum's placements: ranks along a mesh dimension the operands are sharded on hold parts of it."""
+    return tuple(Partial() if placement.is_shard() else Replicate() for placement in placements)
+
+
+def _of_shards(local_loss: Callable[..., Tensor], again: Callable[..., Tensor], operands: tuple[DTensor, ...],
+               summed: bool = False) -> DTensor:
+    """``_LossOfShards`` of ``local_loss`` over the operands (placed alike): a loss per element
+    sharded like them, or a sum left as the ranks' partial sums."""
+    input = operands[0]
+    if summed:
+        arguments = (local_loss, again, _summed_placements(input.placements), torch.Size(()), ())
+    else:
+        arguments = (local_loss, again, tuple(input.placements), input.shape, _contiguous_strides(input.shape))
+    return _LossOfShards.apply(arguments, *operands)
+
+
 def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, weight: Tensor | None,
                     scale: float | Tensor | None, reduction: str,
                     loss_of_shards: Callable[[Tensor, Tensor, str, Tensor | None, float | Tensor | None], Tensor]
@@ -369,14 +386,10 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
         return None
     if reduction not in routing.MODES:
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    mesh = input.device_mesh
     local_weight = None if weight is None else weight._local_tensor  # it takes no gradient
     again = functools.partial(sharded_loss, loss, param, reduction=reduction, weight=weight, scale=scale)
     if reduction == "none":
-        return _LossOfShards.apply((lambda i, t: loss_of_shards(i, t, "none", local_weight, scale), again,
-                                    tuple(placements), input.shape, _contiguous_strides(input.shape)), input, target)
-    # ranks along a mesh dimension the operands are sharded on hold parts of a sum
-    parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
+        return _of_shards(lambda i, t: loss_of_shards(i, t, "none", local_weight, scale), again, (input, target))
     if reduction == "mean":
         factor = 1.0 if scale is None else scale
         if local_weight is None or LOSSES[loss].weighted_mean_over_count:
@@ -386,11 +399,12 @@ def on_local_shards(loss: str, param: float, input: DTensor, target: DTensor, we
                 input.dtype, target.dtype, loss)
             if local_weight.is_floating_point():
                 dtype = torch.promote_types(dtype, local_weight.dtype)
-            total = DTensor.from_local(reductions.weight_sum(local_weight, dtype), mesh, parts, run_check=False,
-                                       shape=torch.Size(()), stride=()).full_tensor()
+            total = DTensor.from_local(reductions.weight_sum(local_weight, dtype), input.device_mesh,
+                                       _summed_placements(placements), run_check=False, shape=torch.Size(()),
+                                       stride=()).full_tensor()
             scale = factor / total
-    return _LossOfShards.apply((lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale), again, tuple(parts),
-                                torch.Size(()), ()), input, target)
+    return _of_shards(lambda i, t: loss_of_shards(i, t, "sum", local_weight, scale), again, (input, target),
+                      summed=True)
 
 
 def likelihood_on_local_shards(input: DTensor, target: DTensor, var: DTensor | None, reduction: str, scale: float,
@@ -405,13 +419,10 @@ def likelihood_on_local_shards(input: DTensor, target: DTensor, var: DTensor | N
     if any(operand.placements != placements for operand in operands[1:]):
         return None
     if reduction == "none":
-        return _LossOfShards.apply((lambda *shards: local_loss(*shards, "none", scale), again, tuple(placements),
-                                    input.shape, _contiguous_strides(input.shape)), *operands)
-    parts = [Partial() if placement.is_shard() else Replicate() for placement in placements]
+        return _of_shards(lambda *shards: local_loss(*shards, "none", scale), again, operands)
     if reduction == "mean":
         scale = reductions.mean_factor(scale, input.numel())
-    return _LossOfShards.apply((lambda *shards: local_loss(*shards, "sum", scale), again, tuple(parts),
-                                torch.Size(()), ()), *operands)
+    return _of_shards(lambda *shards: local_loss(*shards, "sum", scale), again, operands, summed=True)
 
 
 def sharded_loss(loss: str, param: float, input: DTensor, target: DTensor, reduction: str, weight: Tensor | None,
